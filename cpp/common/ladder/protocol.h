@@ -1,0 +1,276 @@
+// The measurement protocol of docs/protocol.md, for C++ rungs. A rung implements `Rung`; its main() is
+//   int main(int argc, char** argv) { return ladder::run_child(argc, argv, build_my_rung); }
+// and this driver does the phases, the timing and the files exactly as harness/worker.py does for Python rungs.
+#pragma once
+#include <cuda_runtime.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "json.h"
+#include "safetensors.h"
+
+namespace ladder {
+
+#define LADDER_CUDA(call)                                                                          \
+  do {                                                                                             \
+    cudaError_t err_ = (call);                                                                     \
+    if (err_ != cudaSuccess)                                                                       \
+      throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(err_) + " at " +     \
+                               __FILE__ + ":" + std::to_string(__LINE__));                         \
+  } while (0)
+
+struct Args {
+  std::map<std::string, std::string> kv;
+  std::map<std::string, std::string> options;  // --option KEY=VALUE
+  std::string get(const std::string& k) const {
+    auto it = kv.find(k);
+    if (it == kv.end()) throw std::runtime_error("missing --" + k);
+    return it->second;
+  }
+  std::string get(const std::string& k, const std::string& dflt) const {
+    auto it = kv.find(k);
+    return it == kv.end() ? dflt : it->second;
+  }
+  int i(const std::string& k) const { return std::stoi(get(k)); }
+  double d(const std::string& k) const { return std::stod(get(k)); }
+  bool flag(const std::string& k) const { return get(k, "0") == "1"; }
+  std::string option(const std::string& k, const std::string& dflt) const {
+    auto it = options.find(k);
+    return it == options.end() ? dflt : it->second;
+  }
+  bool on_gpu() const { return get("device") == "cuda"; }
+  static Args parse(int argc, char** argv) {
+    Args a;
+    for (int i = 1; i + 1 < argc; i += 2) {
+      std::string k = argv[i];
+      if (k.rfind("--", 0) != 0) throw std::runtime_error("bad argument " + k);
+      std::string v = argv[i + 1];
+      if (k == "--option") {
+        auto eq = v.find('=');
+        a.options[v.substr(0, eq)] = eq == std::string::npos ? "" : v.substr(eq + 1);
+      } else {
+        a.kv[k.substr(2)] = v;
+      }
+    }
+    return a;
+  }
+};
+
+// What a C++ rung provides. forward() issues one forward pass of the device-resident input on stream(),
+// asynchronously; the driver times it. Input and output buffers are in the rung's own dtype and layout.
+struct Rung {
+  virtual ~Rung() = default;
+  virtual void forward() = 0;
+  virtual cudaStream_t stream() const = 0;       // ignored on the CPU
+  virtual std::string stream_description() const = 0;
+  virtual void* device_input() = 0;
+  virtual size_t input_bytes() const = 0;
+  virtual void* device_output() = 0;
+  virtual size_t output_bytes() const = 0;
+  virtual HostTensor output_fp32() = 0;          // logits of the last forward, synchronised, as fp32
+  virtual void reset_memory_peak() {}
+  virtual void report_memory(Json& memory) { (void)memory; }  // allocator peaks, workspace, activations...
+};
+
+// Builds the rung from the parsed arguments, the weights and the fp32 NCHW input; records facts in build_stats.
+using RungFactory = std::function<std::unique_ptr<Rung>(const Args&, const TensorMap& weights,
+                                                        const HostTensor& input, Json& build_stats)>;
+
+inline void phase(const char* name) { std::cout << "@@phase " << name << std::endl; }
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+inline double thread_cpu_us() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+// Times a region on the rung's stream with CUDA events (GPU) or the host's steady clock (CPU).
+class RegionTimer {
+ public:
+  RegionTimer(bool gpu, cudaStream_t s) : gpu_(gpu), s_(s) {
+    if (gpu_) { LADDER_CUDA(cudaEventCreate(&a_)); LADDER_CUDA(cudaEventCreate(&b_)); }
+  }
+  ~RegionTimer() { if (gpu_) { cudaEventDestroy(a_); cudaEventDestroy(b_); } }
+  void start() { if (gpu_) LADDER_CUDA(cudaEventRecord(a_, s_)); else t0_ = now_s(); }
+  void stop() { if (gpu_) LADDER_CUDA(cudaEventRecord(b_, s_)); else t1_ = now_s(); }
+  double elapsed_ms() {
+    if (!gpu_) return (t1_ - t0_) * 1e3;
+    LADDER_CUDA(cudaEventSynchronize(b_));
+    float ms = 0;
+    LADDER_CUDA(cudaEventElapsedTime(&ms, a_, b_));
+    return ms;
+  }
+ private:
+  bool gpu_;
+  cudaStream_t s_;
+  cudaEvent_t a_{}, b_{};
+  double t0_ = 0, t1_ = 0;
+};
+
+inline double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+inline void synchronize(const Args& a, Rung& r) { if (a.on_gpu()) LADDER_CUDA(cudaStreamSynchronize(r.stream())); }
+
+inline int run_child_impl(const Args& a, const RungFactory& factory) {
+  Json result = Json::object();
+  Json cold = Json::object();
+  const bool gpu = a.on_gpu();
+
+  phase("load");
+  double t = now_s();
+  TensorMap weights = read_safetensors(a.get("weights"));
+  HostTensor input = read_safetensors(a.get("input")).at("input");
+  cold["load_s"] = now_s() - t;
+
+  phase("build");
+  t = now_s();
+  Json build_stats = Json::object();
+  std::unique_ptr<Rung> rung = factory(a, weights, input, build_stats);
+  cold["build_s"] = now_s() - t;
+  weights.clear();
+
+  phase("first");
+  t = now_s();
+  rung->forward();
+  synchronize(a, *rung);
+  cold["first_result_s"] = now_s() - t;
+  write_safetensors(a.get("output"), {{"output", rung->output_fp32()}});
+  result["cold"] = cold;
+  result["build_stats"] = build_stats;
+  result["stream"] = rung->stream_description();
+
+  RegionTimer timer(gpu, rung->stream());
+  auto timed_call = [&](double* host_us) {
+    timer.start();
+    double c0 = thread_cpu_us();
+    rung->forward();
+    if (host_us) *host_us = thread_cpu_us() - c0;
+    timer.stop();
+    return timer.elapsed_ms();
+  };
+
+  phase("warmup");
+  std::vector<double> w;
+  bool stable = false;
+  t = now_s();
+  while ((int)w.size() < a.i("warmup-max") && (now_s() - t < a.d("warmup-s") || (int)w.size() < a.i("warmup-min"))) {
+    w.push_back(timed_call(nullptr));
+    if ((int)w.size() >= std::max(a.i("warmup-min"), 20)) {
+      double last = median_of({w.end() - 10, w.end()}), prev = median_of({w.end() - 20, w.end() - 10});
+      if (std::abs(last - prev) <= 0.02 * prev) { stable = true; break; }
+    }
+  }
+  Json warm = Json::object();
+  warm["iters"] = (int)w.size();
+  warm["stable"] = stable;
+  result["warmup"] = warm;
+
+  phase("latency");
+  std::vector<double> lat, host;
+  t = now_s();
+  while ((int)lat.size() < a.i("max-iters") && ((int)lat.size() < a.i("iters") || now_s() - t < a.d("min-time-s"))) {
+    double h = 0;
+    lat.push_back(timed_call(&h));
+    host.push_back(h);
+  }
+  Json latency = Json::object(); latency["samples_ms"] = Json(lat); result["latency"] = latency;
+  Json hostj = Json::object(); hostj["samples_us"] = Json(host); result["host"] = hostj;
+
+  phase("pipelined");
+  int n = a.i("pipelined-iters");
+  timer.start();
+  for (int i = 0; i < n; ++i) rung->forward();
+  timer.stop();
+  Json pipe = Json::object();
+  pipe["iters"] = n;
+  pipe["total_ms"] = timer.elapsed_ms();
+  result["pipelined"] = pipe;
+
+  phase("e2e");
+  Json e2e = Json::object();
+  std::vector<double> dev, pageable, pinned;
+  if (gpu) {
+    cudaStream_t s = rung->stream();
+    std::vector<char> host_in(rung->input_bytes()), host_out(rung->output_bytes());
+    LADDER_CUDA(cudaMemcpy(host_in.data(), rung->device_input(), host_in.size(), cudaMemcpyDeviceToHost));
+    void *pin_in = nullptr, *pin_out = nullptr;
+    LADDER_CUDA(cudaMallocHost(&pin_in, host_in.size()));
+    LADDER_CUDA(cudaMallocHost(&pin_out, host_out.size()));
+    std::memcpy(pin_in, host_in.data(), host_in.size());
+    auto run = [&](void* in, void* out, bool copy_in) {
+      double t0 = now_s();
+      if (copy_in) LADDER_CUDA(cudaMemcpyAsync(rung->device_input(), in, host_in.size(), cudaMemcpyHostToDevice, s));
+      rung->forward();
+      LADDER_CUDA(cudaMemcpyAsync(out, rung->device_output(), host_out.size(), cudaMemcpyDeviceToHost, s));
+      LADDER_CUDA(cudaStreamSynchronize(s));
+      return (now_s() - t0) * 1e3;
+    };
+    for (int i = 0; i < a.i("e2e-iters"); ++i) {
+      dev.push_back(run(nullptr, host_out.data(), false));
+      pageable.push_back(run(host_in.data(), host_out.data(), true));
+      pinned.push_back(run(pin_in, pin_out, true));
+    }
+    cudaFreeHost(pin_in);
+    cudaFreeHost(pin_out);
+  }
+  e2e["device_ms"] = Json(dev); e2e["pageable_ms"] = Json(pageable); e2e["pinned_ms"] = Json(pinned);
+  result["e2e"] = e2e;
+
+  phase("memory");
+  rung->reset_memory_peak();
+  for (int i = 0; i < 3; ++i) rung->forward();
+  synchronize(a, *rung);
+  Json memory = Json::object();
+  memory["allocator_peak_bytes"] = nullptr;
+  memory["allocator_reserved_peak_bytes"] = nullptr;
+  rung->report_memory(memory);
+  result["memory"] = memory;
+
+  phase("util");
+  int iters = 0;
+  t = now_s();
+  while (now_s() - t < a.d("util-s")) {
+    for (int i = 0; i < 4; ++i, ++iters) rung->forward();
+    synchronize(a, *rung);
+  }
+  Json util = Json::object(); util["iters"] = iters; util["seconds"] = now_s() - t; result["util"] = util;
+
+  phase("done");
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  result["rss_peak_bytes"] = static_cast<long long>(ru.ru_maxrss) * 1024;
+  std::ofstream(a.get("result")) << result.dump() << "\n";
+  return 0;
+}
+
+inline int run_child(int argc, char** argv, const RungFactory& factory) {
+  try {
+    return run_child_impl(Args::parse(argc, argv), factory);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    std::cout << "@@error " << msg << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace ladder

@@ -1,0 +1,84 @@
+"""The network every rung computes: a torchvision classifier with seeded weights, shared through one file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CLASSIFIERS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2",
+               "resnext50_32x4d", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0", "regnet_y_400mf",
+               "convnext_tiny", "densenet121", "vgg16")
+
+
+def check_model(name: str) -> None:
+    if name not in CLASSIFIERS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(CLASSIFIERS)}")
+
+
+def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """torchvision's `name` with deterministic weights. Batch-norm statistics and affine terms are randomised
+    too (torchvision leaves them at 0/1), so a rung that folds or skips batch-norm wrongly fails parity."""
+    import torchvision
+
+    check_model(name)
+    torch.manual_seed(seed)
+    model = torchvision.models.get_model(name, weights=None, num_classes=1000)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.weight.copy_(torch.empty(n).uniform_(0.5, 1.5, generator=g))
+                m.bias.copy_(torch.empty(n).normal_(0.0, 0.1, generator=g))
+                m.running_mean.copy_(torch.empty(n).normal_(0.0, 0.1, generator=g))
+                m.running_var.copy_(torch.empty(n).uniform_(0.5, 2.0, generator=g))
+    return model.eval()
+
+
+def weights_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The contract's weights: the state dict in fp32, without the integer `num_batches_tracked` counters."""
+    return {k: v.detach().float().contiguous() for k, v in model.state_dict().items()
+            if not k.endswith("num_batches_tracked")}
+
+
+def write_weights(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(weights_state(model), str(path))
+
+
+def load_model(name: str, weights: Path) -> torch.nn.Module:
+    """The model with the run's weights file loaded (how every Python rung starts)."""
+    from safetensors.torch import load_file
+
+    model = _skeleton(name)
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
+    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    if missing or unexpected:
+        raise ValueError(f"weights file does not match {name}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def _skeleton(name: str) -> torch.nn.Module:
+    import torchvision
+
+    check_model(name)
+    return torchvision.models.get_model(name, weights=None, num_classes=1000)
+
+
+def make_input(batch: int, res: int, seed: int = 0) -> torch.Tensor:
+    """The contract's input: NCHW fp32, N(0,1), seeded by (seed, batch, res) so every rung sees the same."""
+    g = torch.Generator().manual_seed(hash((seed, batch, res)) & 0x7FFFFFFF)
+    return torch.randn(batch, 3, res, res, generator=g)
+
+
+def write_input(x: torch.Tensor, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"input": x.contiguous()}, str(path))
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))[name]

@@ -1,0 +1,108 @@
+"""The rung interface. A rung is one file in tiers/ that defines `TIER` (or `TIERS`, a list).
+
+Two shapes share one contract (docs/protocol.md):
+- `PythonTier`: builds a callable in the worker process (harness/worker.py runs the protocol around it);
+- `ExternalTier`: a program of its own (C++), which runs the same protocol itself; the tier only says how to
+  build it (cached) and start it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16")
+
+
+class Unavailable(Exception):
+    """Raised by a rung that cannot run here; the message is the exact reason shown to the user."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: a rung on one configuration. Its key identifies it in results and for resume."""
+
+    tier: str
+    model: str = "resnet50"
+    batch: int = 1
+    res: int = 224
+    dtype: str = "fp32"
+    channels_last: bool = False
+    cuda_graph: bool = False
+    device: str = "cuda"
+    options: tuple[tuple[str, str], ...] = ()  # rung-specific, e.g. (("compile-mode", "max-autotune"),)
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.options).get(key, default)
+
+    @property
+    def key(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        layout = "nhwc" if self.channels_last else "nchw"
+        return (f"{self.tier}{'+graph' if self.cuda_graph else ''}[{opts}]/{self.model}/b{self.batch}/r{self.res}/"
+                f"{self.dtype}/{layout}/{self.device}")
+
+    @property
+    def label(self) -> str:
+        """Short rung label for tables: tier, its options and the CUDA-graph flag."""
+        opts = ",".join(v for _, v in self.options)
+        return self.tier + (f"({opts})" if opts else "") + ("+graph" if self.cuda_graph else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["options"] = dict(self.options)
+        return d
+
+
+@dataclass
+class Built:
+    """What a Python rung's build returns. `forward(x)` takes the device input prepared by the worker (rung dtype
+    and layout) and returns the logits; it may return before the GPU finishes (the worker times on `stream`)."""
+
+    forward: Callable[[Any], Any]
+    stream: Any = None  # torch.cuda.Stream the work is issued on; None = the current stream
+    stream_description: str = "torch current stream"
+    stats: dict[str, Any] = field(default_factory=dict)  # build facts: graph breaks, export size, ...
+    uses_torch_allocator: bool = True  # whether torch.cuda.max_memory_allocated covers its memory
+
+
+class Tier:
+    name: str = ""
+    summary: str = ""
+    models: tuple[str, ...] | None = None  # None: any torchvision classification model
+    dtypes: tuple[str, ...] = DTYPES
+    cuda_graph: bool = False  # whether the rung can run captured in a CUDA graph (--cuda-graph)
+    options: dict[str, tuple[str, ...]] = {}  # rung-specific option -> valid values (first is the default)
+
+    def availability(self, device: str) -> str | None:
+        """None if the rung can run on `device` ('cuda' or 'cpu'), else the exact reason it cannot."""
+        return None
+
+    def supports(self, cell: Cell) -> str | None:
+        """None if the rung can run this cell, else why not (recorded as 'skipped')."""
+        if self.models is not None and cell.model not in self.models:
+            return f"{self.name} implements only {', '.join(self.models)}"
+        if cell.dtype not in self.dtypes:
+            return f"{self.name} does not implement {cell.dtype}"
+        if cell.cuda_graph and not self.cuda_graph:
+            return f"{self.name} has no CUDA-graph mode"
+        if cell.cuda_graph and cell.device != "cuda":
+            return "CUDA graphs need the GPU"
+        return None
+
+
+class PythonTier(Tier):
+    kind = "python"
+
+    def build(self, model: Any, example: Any, cell: Cell) -> Built:
+        """`model`: the eager fp32 torchvision model on the CPU with the run's weights, in eval mode.
+        `example`: the input on the device in the cell's dtype and layout."""
+        raise NotImplementedError
+
+
+class ExternalTier(Tier):
+    kind = "external"
+
+    def command(self, cell: Cell) -> list[str]:
+        """The program to start for this cell (built and cached on first use), before the contract's options."""
+        raise NotImplementedError
