@@ -86,6 +86,8 @@ class Tier:
             return f"{self.name} does not implement {cell.dtype}"
         if cell.cuda_graph and not self.cuda_graph:
             return f"{self.name} has no CUDA-graph mode"
+        if cell.device != "cuda" and cell.dtype in ("tf32", "fp16", "bf16"):
+            return f"{cell.dtype} is a GPU tensor-core configuration; on the CPU only fp32 is measured"
         if cell.cuda_graph and cell.device != "cuda":
             return "CUDA graphs need the GPU"
         return None
@@ -106,3 +108,17 @@ class ExternalTier(Tier):
     def command(self, cell: Cell) -> list[str]:
         """The program to start for this cell (built and cached on first use), before the contract's options."""
         raise NotImplementedError
+
+    def prepare(self, cell: Cell, weights: Any, workdir: Any) -> dict[str, str]:
+        """Files the program needs made from the run's weights (e.g. a TorchScript module), written under
+        `workdir`; returns extra `--option KEY=VALUE` pairs naming them. Runs in the parent, before the child."""
+        return {}
+
+
+def place_model(model: Any, cell: Cell) -> Any:
+    """The eager model on the cell's device, dtype and memory layout (what every PyTorch-based rung starts from)."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cell.dtype, torch.float32)
+    model = model.to(cell.device, dtype)
+    return model.to(memory_format=torch.channels_last) if cell.channels_last else model

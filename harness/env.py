@@ -1,0 +1,126 @@
+"""The environment a result was measured in, and NVML access for the runner (which holds no CUDA context)."""
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import socket
+from typing import Any
+
+# Datasheet dense (no sparsity) peaks in TFLOP/s, for 'share of peak'; the run also measures cuBLAS's rate.
+DATASHEET_PEAK_TFLOPS = {
+    "H100 80GB HBM3": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},  # SXM5
+    "H200": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "H100 PCIe": {"fp32": 51.2, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
+}
+
+
+def nvml():
+    """pynvml, initialised, or None when there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:
+        return None
+
+
+def gpu_handle(index: int = 0):
+    nv = nvml()
+    if nv is None:
+        return None, None
+    try:
+        return nv, nv.nvmlDeviceGetHandleByIndex(index)
+    except Exception:
+        return None, None
+
+
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:
+        return None
+
+
+def datasheet_peak(gpu_name: str | None) -> dict[str, float] | None:
+    for key, peaks in DATASHEET_PEAK_TFLOPS.items():
+        if gpu_name and key in gpu_name:
+            return peaks
+    return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": _cudnn_version(),
+        "torchvision": _version("torchvision"),
+        "triton": _version("triton"),
+        "onnx": _version("onnx"),
+        "onnxruntime": _version("onnxruntime"),
+        "tensorrt": _version("tensorrt"),
+        "device": device,
+        "gpu": None,
+    }
+    try:
+        import onnxruntime
+
+        env["onnxruntime_providers"] = onnxruntime.get_available_providers()
+    except Exception:
+        pass
+    nv, h = gpu_handle()
+    if device == "cuda" and h is not None:
+        def text(v):
+            return v.decode() if isinstance(v, bytes) else v
+
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        name = text(nv.nvmlDeviceGetName(h))
+        cuda_driver = nv.nvmlSystemGetCudaDriverVersion()
+        env["gpu"] = {
+            "name": name,
+            "driver": text(nv.nvmlSystemGetDriverVersion()),
+            "cuda_driver": f"{cuda_driver // 1000}.{cuda_driver % 1000 // 10}",
+            "memory_total_bytes": mem.total,
+            "sm_clock_max_mhz": nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM),
+            "mem_clock_max_mhz": nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM),
+            "sm_clock_idle_mhz": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+            "power_limit_w": nv.nvmlDeviceGetPowerManagementLimit(h) / 1000,
+            "datasheet_peak_tflops": datasheet_peak(name),
+        }
+    return env
+
+
+def _cudnn_version() -> str | None:
+    import torch
+
+    try:
+        v = torch.backends.cudnn.version()
+    except Exception:
+        return None
+    return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v else None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def device_slug(env: dict[str, Any]) -> str:
+    """Folder name under results/ for this device, e.g. 'nvidia-h100-80gb-hbm3' or 'cpu'."""
+    name = env["gpu"]["name"] if env.get("gpu") else "cpu"
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")

@@ -1,0 +1,44 @@
+"""Small child jobs the runner needs besides the cells (each in its own process, like the cells):
+
+- `ref`:  the eager fp32 reference output (TF32 off) that every rung's output is compared against;
+- `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak'."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from harness.model import load_model, read_tensor
+
+
+def reference(model_name: str, weights: str, input_path: str, output: str, device: str) -> None:
+    from safetensors.torch import save_file
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = load_model(model_name, weights).to(device)
+    with torch.inference_mode():
+        out = model(read_tensor(input_path, "input").to(device))
+    save_file({"output": out.float().cpu().contiguous()}, output)
+
+
+def measured_peak(output: str) -> None:
+    """Median TFLOP/s of large square matrix products through cuBLAS (random data; zeros run faster)."""
+    from triton.testing import do_bench
+
+    rates = {}
+    for name, dtype, n, tf32 in (("bf16", torch.bfloat16, 8192, False), ("fp16", torch.float16, 8192, False),
+                                 ("tf32", torch.float32, 8192, True), ("fp32", torch.float32, 4096, False)):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+        rates[name] = 2 * n**3 / ms / 1e9
+    with open(output, "w") as f:
+        json.dump({"tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; fp32 4096), random data"}, f)
+
+
+if __name__ == "__main__":
+    job, *args = sys.argv[1:]
+    {"ref": reference, "peak": measured_peak}[job](*args)

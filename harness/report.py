@@ -1,0 +1,190 @@
+"""Reports from the records: the JSON document (the source of truth), markdown, CSV and the rich table."""
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# What every figure of a record means; shipped inside every JSON file so it reads on its own.
+DEFINITIONS = {
+    "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
+              "withheld), 'crashed', 'oom', 'timeout', 'error', 'unavailable' (rung cannot run here), 'skipped' "
+              "(rung does not implement this configuration); 'reason' says why",
+    "dtype": "fp32 = strict fp32 (TF32 off); tf32 = fp32 tensors, TF32 tensor-core math allowed; fp16/bf16 = "
+             "weights and activations in that type",
+    "parity": "output of the first forward vs eager fp32 (TF32 off) on the same input and weights: max_abs_err, "
+              "rel_err = max_abs_err / max|ref|, cosine similarity, top-1 agreement (required on rows whose "
+              "reference top-1 margin exceeds twice the tolerance); ok = within the dtype's tolerance",
+    "latency_ms": "warm per-iteration time of one forward (device-resident input, output left on device), CUDA "
+                  "events recorded on the stream the rung issues its work on, one sync per iteration; statistics "
+                  "over latency_samples_ms (raw). On the CPU: host wall clock",
+    "throughput_img_s": "batch / median latency: synchronous, one batch at a time",
+    "pipelined": "forwards issued back to back with no sync, one event pair around all: ms_per_iter and "
+                 "throughput_img_s when host and GPU overlap",
+    "host_overhead_us": "CPU time of the calling thread inside the forward call (issuing work; excludes the sync)",
+    "e2e_ms": "wall time of input copy H2D + forward + output copy D2H, synchronised: 'pageable' and 'pinned' "
+              "host input; 'device' = input already on the GPU (forward + D2H only)",
+    "cold": "load_s: weights from disk; build_s: everything before the first forward (device transfer, tracing, "
+            "export, engine or algorithm selection, autotuning); first_result_s: first forward incl. lazy JIT, "
+            "synchronised; all wall clock in a fresh process; jit_cache says whether JIT caches were fresh",
+    "memory": "allocator_peak_bytes: torch caching-allocator peak allocated over 3 steady-state forwards after a "
+              "peak reset (weights and persistent buffers included); allocator_reserved_peak_bytes: same, "
+              "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
+              "nvml_process_peak_bytes: NVML's figure for the child process, peak over its life, CUDA context "
+              "included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
+              "their own memory plan report workspace_bytes / activation_bytes / weights_bytes",
+    "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
+                   "forwards",
+    "tflops": "achieved = FLOPs of one forward (2 per multiply-accumulate in convolutions and matmuls, torch "
+              "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
+              "dense peak for the cell's dtype",
+    "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
+                   "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
+}
+
+
+def document(records: list[dict], environment: dict, protocol: dict, extra: dict | None = None) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment,
+        "protocol": protocol,
+        **(extra or {}),
+        "definitions": DEFINITIONS,
+        "results": records,
+    }
+
+
+def eager_baseline(records: list[dict], r: dict) -> dict | None:
+    for e in records:
+        if (e["tier"] == "eager" and not e["cuda_graph"] and e["status"] == "ok"
+                and all(e[k] == r[k] for k in ("model", "batch", "res", "dtype", "channels_last", "device"))):
+            return e
+    return None
+
+
+def speedup(records: list[dict], r: dict) -> float | None:
+    base = eager_baseline(records, r)
+    if base is None or r["status"] != "ok":
+        return None
+    return base["latency_ms"]["median"] / r["latency_ms"]["median"]
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def rows(records: list[dict]) -> list[dict[str, str]]:
+    """One flat row per record: what the tables show."""
+    out = []
+    for r in records:
+        ok = r["status"] == "ok"
+        lat = r.get("latency_ms") or {}
+        mem = r.get("memory") or {}
+        nv = mem.get("nvml_process_peak_bytes")
+        alloc = mem.get("allocator_peak_bytes")
+        par = r.get("parity") or {}
+        out.append({
+            "rung": r["label"],
+            "batch": str(r["batch"]),
+            "res": str(r["res"]),
+            "dtype": r["dtype"] + ("/cl" if r["channels_last"] else ""),
+            "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
+            "median ms": _fmt(lat.get("median"), ".3f") if ok else "",
+            "p99 ms": _fmt(lat.get("p99"), ".3f") if ok else "",
+            "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
+            "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if ok else "",
+            "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if ok else "",
+            "vs eager": (_fmt(speedup(records, r), ".2f") + "x") if ok and speedup(records, r) else "",
+            "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
+            "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if ok else "",
+            "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
+            "GPU MiB (NVML)": _fmt(nv / 2**20, ".0f") if nv else "",
+            "alloc MiB": _fmt(alloc / 2**20, ".0f") if alloc else "",
+            "parity": ("" if par.get("ok") is None else
+                       f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
+        })
+    return out
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"]
+    gpu = env.get("gpu") or {}
+    lines = [f"# Tier ladder: {', '.join(sorted({r['model'] for r in doc['results']}))}", "",
+             f"Generated {doc['generated']} on **{gpu.get('name', 'CPU: ' + str(env.get('cpu')))}**"
+             + (f" (driver {gpu.get('driver')}, CUDA driver {gpu.get('cuda_driver')})" if gpu else "") + ".",
+             f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')}), "
+             f"torchvision {env.get('torchvision')}, Triton {env.get('triton')}, ONNX Runtime "
+             f"{env.get('onnxruntime')}, TensorRT {env.get('tensorrt') or 'not installed'}.", ""]
+    peaks = doc.get("peak_tflops", {}).get("measured")
+    if peaks:
+        lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
+    table = rows(doc["results"])
+    if table:
+        cols = list(table[0])
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(row[c].replace("|", "/") for c in cols) + " |" for row in table]
+    lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
+              "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
+              "CPU time to issue one forward; first result = load + build + first forward in a fresh process "
+              "(fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context included); alloc MiB = torch "
+              "allocator peak in steady state; parity rel err = max|out-ref|/max|ref| against eager fp32. "
+              "Full definitions and raw samples are in the JSON.", ""]
+    return "\n".join(lines)
+
+
+def to_csv(doc: dict) -> str:
+    table = rows(doc["results"])
+    buf = io.StringIO()
+    if table:
+        w = csv.DictWriter(buf, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    return buf.getvalue()
+
+
+def rich_table(records: list[dict], title: str = "Tier ladder"):
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold")
+    cols = ["rung", "batch", "res", "dtype", "median ms", "p99 ms", "CV %", "img/s", "pipelined img/s", "vs eager",
+            "host us/call", "TFLOP/s", "first result s", "GPU MiB (NVML)", "parity", "status"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("rung", "dtype", "status", "parity") else "right",
+                         overflow="fold")
+    for row in rows(records):
+        failed = row["status"] != "ok"
+        table.add_row(*[row[c] for c in cols], style="red" if failed else None)
+    return table
+
+
+def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Path | None) -> None:
+    for path, text in ((json_path, lambda: json.dumps(doc, indent=1)), (md_path, lambda: markdown(doc)),
+                       (csv_path, lambda: to_csv(doc))):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text())
+
+
+def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
+    """Records from results.jsonl files or earlier JSON documents (later files win on the same cell key)."""
+    by_key: dict[str, dict] = {}
+    meta: dict[str, Any] = {}
+    for p in paths:
+        if p.suffix == ".jsonl":
+            recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+            meta_path = p.with_name("run.json")
+            if meta_path.exists():
+                meta = json.loads(meta_path.read_text())
+        else:
+            d = json.loads(p.read_text())
+            recs = d["results"]
+            meta = {k: v for k, v in d.items() if k not in ("results", "definitions", "schema_version", "generated")}
+        for r in recs:
+            by_key[r["key"]] = r
+    return list(by_key.values()), meta

@@ -1,0 +1,263 @@
+"""The child process of one cell of a Python rung: docs/protocol.md, phase by phase.
+
+cpp/common/ladder/protocol.h is the same protocol for the C++ rungs; keep the two in step.
+Run as `python -m harness.worker --tier NAME --batch ... --result R.json ...` (the runner builds the line)."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+
+from harness.model import load_model, read_tensor
+from tiers import get_tier
+from tiers.base import Built, Cell, Unavailable
+
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    if len(argv) % 2:
+        raise SystemExit(f"expected --key value pairs, got {argv}")
+    kv: dict[str, str] = {}
+    options: dict[str, str] = {}
+    for key, value in zip(argv[::2], argv[1::2]):
+        if not key.startswith("--"):
+            raise SystemExit(f"bad argument {key}")
+        if key == "--option":
+            k, _, v = value.partition("=")
+            options[k] = v
+        else:
+            kv[key[2:]] = value
+    return kv, options
+
+
+def cell_from_args(kv: dict[str, str], options: dict[str, str]) -> Cell:
+    return Cell(tier=kv["tier"], model=kv["model"], batch=int(kv["batch"]), res=int(kv["res"]), dtype=kv["dtype"],
+                channels_last=kv["channels-last"] == "1", cuda_graph=kv["cuda-graph"] == "1", device=kv["device"],
+                options=tuple(sorted(options.items())))
+
+
+def phase(name: str) -> None:
+    print(f"@@phase {name}", flush=True)
+
+
+def set_math_mode(dtype: str) -> None:
+    """fp32 means strict fp32: torch allows TF32 in cuDNN convolutions by default, so say no explicitly."""
+    tf32 = dtype == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def prepare_input(x: torch.Tensor, cell: Cell) -> torch.Tensor:
+    x = x.to(cell.device, TORCH_DTYPES[cell.dtype])
+    return x.contiguous(memory_format=torch.channels_last) if cell.channels_last else x.contiguous()
+
+
+def capture_cuda_graph(built: Built, example: torch.Tensor) -> Built:
+    """Wraps a rung's forward in a CUDA graph: warm up on a side stream (as torch requires), capture, replay.
+    The graph reads the static `example` buffer, which is why the worker always passes that same tensor."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            built.forward(example)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = built.forward(example)
+
+    def replay(_x: torch.Tensor) -> torch.Tensor:
+        graph.replay()
+        return static_out
+
+    return Built(forward=replay, stream=None, stream_description="torch current stream (CUDA graph replay)",
+                 stats={**built.stats, "cuda_graph": True}, uses_torch_allocator=built.uses_torch_allocator)
+
+
+class Clock:
+    """Times a region on the rung's stream: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        if stream is not None:
+            self.a = torch.cuda.Event(enable_timing=True)
+            self.b = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.stream is None:
+            self.t0 = time.perf_counter()
+        else:
+            self.a.record(self.stream)
+
+    def stop(self) -> None:
+        if self.stream is None:
+            self.t1 = time.perf_counter()
+        else:
+            self.b.record(self.stream)
+
+    def elapsed_ms(self) -> float:
+        if self.stream is None:
+            return (self.t1 - self.t0) * 1e3
+        self.b.synchronize()
+        return self.a.elapsed_time(self.b)
+
+
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
+    cell = cell_from_args(kv, options)
+    tier = get_tier(cell.tier)
+    gpu = cell.device == "cuda"
+    result: dict[str, Any] = {"cold": {}}
+
+    phase("load")
+    t = time.perf_counter()
+    model = load_model(cell.model, kv["weights"])
+    x_host = read_tensor(kv["input"], "input")
+    result["cold"]["load_s"] = time.perf_counter() - t
+
+    phase("build")
+    t = time.perf_counter()
+    set_math_mode(cell.dtype)
+    example = prepare_input(x_host, cell)
+    built = tier.build(model, example, cell)
+    if cell.cuda_graph:
+        built = capture_cuda_graph(built, example)
+    stream = (built.stream or torch.cuda.current_stream()) if gpu else None
+    sync = stream.synchronize if gpu else (lambda: None)
+    result["cold"]["build_s"] = time.perf_counter() - t
+
+    phase("first")
+    t = time.perf_counter()
+    out = built.forward(example)
+    sync()
+    result["cold"]["first_result_s"] = time.perf_counter() - t
+    from safetensors.torch import save_file
+
+    save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
+    result["stream"] = built.stream_description
+    forward = built.forward
+
+    clock = Clock(stream)
+
+    def timed_call(host_us: list[float] | None = None) -> float:
+        clock.start()
+        c0 = time.thread_time_ns()
+        forward(example)
+        if host_us is not None:
+            host_us.append((time.thread_time_ns() - c0) / 1e3)
+        clock.stop()
+        return clock.elapsed_ms()
+
+    phase("warmup")
+    warm: list[float] = []
+    stable = False
+    t = time.perf_counter()
+    wmin, wmax, ws = int(kv["warmup-min"]), int(kv["warmup-max"]), float(kv["warmup-s"])
+    while len(warm) < wmax and (time.perf_counter() - t < ws or len(warm) < wmin):
+        warm.append(timed_call())
+        if len(warm) >= max(wmin, 20):
+            last, prev = _median(warm[-10:]), _median(warm[-20:-10])
+            if abs(last - prev) <= 0.02 * prev:
+                stable = True
+                break
+    result["warmup"] = {"iters": len(warm), "stable": stable}
+
+    phase("latency")
+    lat: list[float] = []
+    host: list[float] = []
+    t = time.perf_counter()
+    while len(lat) < int(kv["max-iters"]) and (len(lat) < int(kv["iters"]) or time.perf_counter() - t < float(kv["min-time-s"])):
+        lat.append(timed_call(host))
+    result["latency"] = {"samples_ms": lat}
+    result["host"] = {"samples_us": host}
+
+    phase("pipelined")
+    n = int(kv["pipelined-iters"])
+    clock.start()
+    for _ in range(n):
+        forward(example)
+    clock.stop()
+    result["pipelined"] = {"iters": n, "total_ms": clock.elapsed_ms()}
+
+    phase("e2e")
+    e2e: dict[str, list[float]] = {"device_ms": [], "pageable_ms": [], "pinned_ms": []}
+    if gpu:
+        pageable_in = example.cpu()
+        pinned_in = pageable_in.pin_memory()
+        pageable_out = out.cpu()
+        pinned_out = pageable_out.pin_memory()
+
+        def end_to_end(src: torch.Tensor | None, dst: torch.Tensor) -> float:
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                if src is not None:
+                    example.copy_(src, non_blocking=True)
+                dst.copy_(forward(example), non_blocking=True)
+            stream.synchronize()
+            return (time.perf_counter() - t0) * 1e3
+
+        for _ in range(int(kv["e2e-iters"])):
+            e2e["device_ms"].append(end_to_end(None, pinned_out))
+            e2e["pageable_ms"].append(end_to_end(pageable_in, pageable_out))
+            e2e["pinned_ms"].append(end_to_end(pinned_in, pinned_out))
+    result["e2e"] = e2e
+
+    phase("memory")
+    memory: dict[str, Any] = {"allocator_peak_bytes": None, "allocator_reserved_peak_bytes": None}
+    if gpu and built.uses_torch_allocator:
+        memory["allocator_lifetime_peak_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            forward(example)
+        sync()
+        memory["allocator_peak_bytes"] = torch.cuda.max_memory_allocated()
+        memory["allocator_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+    memory.update(built.stats.pop("memory", {}))
+    result["memory"] = memory
+
+    phase("util")
+    iters = 0
+    t = time.perf_counter()
+    while time.perf_counter() - t < float(kv["util-s"]):
+        for _ in range(4):
+            forward(example)
+        iters += 4
+        sync()
+    result["util"] = {"iters": iters, "seconds": time.perf_counter() - t}
+
+    phase("after")  # rung facts that need the measured state (recompiles, guard cost); outside every timing
+    stats = dict(built.stats)
+    after = getattr(tier, "after", None)
+    if after is not None:
+        stats.update(after(built, example, cell))
+    result["build_stats"] = stats
+
+    phase("done")
+    result["rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def main(argv: list[str]) -> int:
+    kv, options = parse_args(argv)
+    try:
+        with torch.inference_mode():
+            result = run(kv, options)
+    except Unavailable as e:
+        print(f"@@error {e}", flush=True)
+        return 3
+    with open(kv["result"], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

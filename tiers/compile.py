@@ -1,0 +1,78 @@
+"""Rung `compile`: torch.compile (Dynamo + Inductor), `--compile-mode default|reduce-overhead|max-autotune`.
+
+Besides the protocol's figures it reports what the compiler did and what it costs per call:
+graphs and graph breaks (Dynamo's counters), guards of the cache entry that serves the call and the time to
+evaluate the cache entries' guards for one call (what Dynamo does before every call, timed directly on its guard
+managers, 1000 evaluations), and the recompiles triggered when the batch size changes (batch + 1)."""
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from tiers.base import Built, PythonTier, place_model
+
+MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+class Compile(PythonTier):
+    name = "compile"
+    summary = "torch.compile / Inductor (mode from --compile-mode)"
+    options = {"compile-mode": MODES}
+
+    def build(self, model, example, cell):
+        mode = cell.option("compile-mode", "default")
+        if mode not in MODES:
+            raise ValueError(f"compile-mode {mode!r}; valid: {', '.join(MODES)}")
+        torch._dynamo.reset()
+        placed = place_model(model, cell)
+        compiled = torch.compile(placed, mode=mode)  # compiles lazily: the cost lands in first_result_s
+        return Built(forward=compiled, stats={"compile_mode": mode})
+
+    def after(self, built, example, cell):
+        from torch._dynamo.utils import counters
+
+        module = built.forward._orig_mod  # the module torch.compile wrapped
+        facts = {
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": sorted(counters["graph_break"])[:5],
+        }
+        facts.update(guard_cost(module, example))
+        before = counters["stats"]["unique_graphs"]
+        bigger = torch.cat([example, example[:1]])
+        t = time.perf_counter()
+        built.forward(bigger)
+        if example.is_cuda:
+            torch.cuda.synchronize()
+        facts["recompiles_on_batch_change"] = counters["stats"]["unique_graphs"] - before
+        facts["batch_change_first_call_s"] = time.perf_counter() - t
+        facts["batch_change"] = f"{cell.batch} -> {cell.batch + 1}"
+        return facts
+
+
+def guard_cost(module: torch.nn.Module, example: torch.Tensor) -> dict:
+    """Guard count of the entry Dynamo picks for this call and the cost of finding it."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError as e:
+        return {"guards": None, "guard_check_us": None, "guard_note": f"Dynamo internals not reachable: {e}"}
+    code = type(module).forward.__code__
+    entries = _debug_get_cache_entry_list(code)
+    arg = list(inspect.signature(type(module).forward).parameters)[1]
+    f_locals = {"self": module, arg: example}
+    for i, entry in enumerate(entries):
+        if entry.guard_manager.check(f_locals):
+            n = 1000
+            t = time.perf_counter()
+            for _ in range(n):
+                for e in entries[: i + 1]:  # Dynamo tries entries in order until one passes
+                    e.guard_manager.check(f_locals)
+            return {"guards": len(entry.guard_manager.code_parts), "cache_entries": len(entries),
+                    "guard_check_us": (time.perf_counter() - t) / n * 1e6}
+    return {"guards": None, "guard_check_us": None, "cache_entries": len(entries),
+            "guard_note": "no cache entry's guards pass on the measured call's locals"}
+
+
+TIER = Compile()

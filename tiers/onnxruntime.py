@@ -1,0 +1,86 @@
+"""Rung `onnxruntime`: the exported ONNX model in ONNX Runtime. On the GPU: the CUDA execution provider, run on
+the worker's CUDA stream (`user_compute_stream`) with IO binding to torch's device buffers and no sync at the end
+of Run, so the protocol's CUDA events time exactly ORT's work. On the CPU: the CPU execution provider."""
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from tiers.base import Built, PythonTier
+from tiers.onnx_export import bound_input, export_onnx
+
+
+def ort_element_type(dtype: torch.dtype):
+    import numpy as np
+
+    return {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
+
+
+class OnnxRuntime(PythonTier):
+    name = "onnxruntime"
+    summary = "ONNX Runtime (CUDA EP with IO binding on GPU; CPU EP on CPU)"
+    provider = "CUDAExecutionProvider"
+
+    def availability(self, device):
+        try:
+            import onnxruntime as ort
+        except ImportError as e:
+            return f"onnxruntime not installed ({e})"
+        if device == "cuda" and self.provider not in ort.get_available_providers():
+            return (f"onnxruntime {ort.__version__} lists no {self.provider} (providers: "
+                    f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu")
+        return None
+
+    def supports(self, cell):
+        if cell.dtype == "bf16" and cell.device == "cuda":
+            return None  # tried: ORT's own error says which node has no bfloat16 kernel
+        return super().supports(cell)
+
+    def provider_options(self, cell, stream) -> dict:
+        return {"device_id": str(torch.cuda.current_device()), "user_compute_stream": str(stream.cuda_stream),
+                "use_tf32": "1" if cell.dtype == "tf32" else "0", "cudnn_conv_algo_search": "EXHAUSTIVE",
+                "prefer_nhwc": "1" if cell.channels_last else "0"}
+
+    def build(self, model, example, cell):
+        import onnxruntime as ort
+
+        workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
+        path, facts = export_onnx(model, example, cell, workdir.name)
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        x = bound_input(example, cell)
+        if cell.device == "cpu":
+            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            feed = {"input": x.numpy()}  # shares memory with the example tensor
+
+            def forward(_x):
+                return torch.from_numpy(session.run(None, feed)[0])
+
+            return Built(forward=forward, stats={**facts, "providers": session.get_providers()},
+                         stream_description="host (CPU execution provider)", uses_torch_allocator=False)
+
+        stream = torch.cuda.Stream()
+        session = ort.InferenceSession(str(path), so, providers=[(self.provider, self.provider_options(cell, stream)),
+                                                                 "CPUExecutionProvider"])
+        elem = ort_element_type(example.dtype)
+        if elem is None:
+            raise ValueError(f"no IO-binding element type for {example.dtype} in onnxruntime's Python API")
+        out = torch.empty(cell.batch, 1000, device="cuda", dtype=example.dtype)
+        binding = session.io_binding()
+        binding.bind_input("input", "cuda", torch.cuda.current_device(), elem, list(x.shape), x.data_ptr())
+        binding.bind_output("logits", "cuda", torch.cuda.current_device(), elem, list(out.shape), out.data_ptr())
+        run_options = ort.RunOptions()
+        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
+        def forward(_x):
+            session.run_with_iobinding(binding, run_options)
+            return out
+
+        forward.keepalive = (workdir, session, binding)
+        return Built(forward=forward, stream=stream, uses_torch_allocator=False,
+                     stream_description="torch side stream handed to ORT as user_compute_stream",
+                     stats={**facts, "providers": session.get_providers(), "ort_version": ort.__version__})
+
+
+TIER = OnnxRuntime()
