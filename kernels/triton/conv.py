@@ -1,0 +1,162 @@
+"""Convolution + folded batch-norm + residual + ReLU as one implicit-GEMM Triton kernel over NHWC tensors.
+
+The GEMM view (as in the Triton matmul tutorial): C[M, COUT] = A[M, K] @ B[K, COUT] with
+  M = N*OH*OW output pixels, K = KH*KW*CIN window elements, A = the input windows (never materialised: each
+  program gathers its A tile straight from the NHWC input), B = the packed weights.
+The trick that keeps one kernel fast for every kernel size: in NHWC, one *row* of a window (KW neighbouring pixels
+times CIN channels) is a single contiguous run of KW*CIN elements, whatever the stride. So K is walked as KH rows of
+KW*CIN contiguous elements: the A loads stay contiguous (vectorised) for 1x1, 3x3 and 7x7 alike, and the 7x7 stem with
+its 3 input channels wastes little of a K tile (rows of 21 elements instead of 3).
+A 1x1 convolution on a 1x1 image is a plain GEMM, so the classifier (FC + bias) runs on this kernel too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.tuning import INTERPRET, autotune, launch
+
+SMEM_BYTES = 200 * 1024  # shared memory a config's pipeline may use (H100: 227 KiB per block, less Triton's own)
+
+
+def _config(bm, bn, bk, stages, warps):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+
+
+# Large tiles for the big batches, narrow ones for batch 1 (few output pixels: more programs, fuller GPU).
+CONFIGS = [_config(128, 256, 64, 3, 8), _config(128, 128, 64, 3, 8), _config(128, 128, 64, 4, 4),
+           _config(128, 64, 64, 4, 4), _config(64, 128, 64, 4, 4), _config(64, 64, 64, 4, 4),
+           _config(32, 64, 64, 4, 4), _config(32, 32, 128, 4, 4)]
+
+
+def _prune(configs, args, **_):
+    """Fit the config list to one convolution: halve K tiles for 4-byte types (same shared memory), shrink them to
+    the window row (the stem's row is 21 elements), drop tiles larger than the problem or the shared memory."""
+    elem, row = args["x_ptr"].element_size(), args["KW"] * args["CIN"]
+    kept = {}
+    for c in configs:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        bk = min(bk // 2 if elem == 4 else bk, max(16, triton.next_power_of_2(row)))
+        too_big = bm > max(32, triton.next_power_of_2(args["M"])) or bn > max(32, triton.next_power_of_2(args["COUT"]))
+        if too_big or c.num_stages * (bm + bn) * bk * elem > SMEM_BYTES:
+            continue
+        kept.setdefault((bm, bn, bk, c.num_stages, c.num_warps), _config(bm, bn, bk, c.num_stages, c.num_warps))
+    return list(kept.values()) or [_config(32, 32, 16, 2, 4)]
+
+
+def _fixed(m, cout, row, elem):
+    """The one config used untuned (autotune off: tiles sized to the problem; interpreter: the largest tiles, since
+    it runs each tile operation as one numpy call, so fewer, bigger tiles are much faster)."""
+    if INTERPRET:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=min(128, max(16, triton.next_power_of_2(row))), num_warps=4,
+                    num_stages=2)
+    bm = 128 if m >= 16384 else 64 if m >= 2048 else 32
+    bn = 128 if cout >= 128 and bm >= 64 else 64
+    bk = min(64 if elem < 4 else 32, max(16, triton.next_power_of_2(row)))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bm * bn >= 16384 else 4, num_stages=3)
+
+
+@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE"], prune=_prune)
+@triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW"])  # sizes vary per layer: one compile for all of them
+def conv2d_nhwc_kernel(
+        x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [KH*KW*CIN, COUT]; bias [COUT] fp32; res, y [M, COUT]
+        M, H, W, CIN, OH, OW, COUT,
+        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+        HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr = 8):
+    # Which output tile: programs are numbered in groups of GROUP_M tiles down M, so programs running together share
+    # the same weight tiles (and neighbouring input rows) in L2.
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(COUT, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_m
+    pid_n = (pid % (GROUP_M * num_n)) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow) of this tile
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of this tile
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < COUT
+    # Each output pixel's window starts at input pixel (ih0, iw0) of image `img` (negative inside the padding).
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    img = offs_m // (OW * OH)
+    ih0 = oh * STRIDE - PAD
+    iw0 = ow * STRIDE - PAD
+
+    ROW = KW * CIN  # elements in one window row, contiguous in memory
+    k_steps = tl.cdiv(ROW, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One flat loop over (window row kh, K tile in that row), so Triton software-pipelines all of it.
+    for step in range(KH * k_steps):
+        kh = step // k_steps
+        kk = (step % k_steps) * BLOCK_K + offs_k  # positions inside the window row
+        ih = ih0 + kh
+        a_ptrs = x_ptr + (((img * H + ih) * W + iw0) * CIN)[:, None] + kk[None, :]
+        a_mask = m_ok[:, None] & (kk < ROW)[None, :]
+        if PAD > 0:  # the window may hang over the image border: those elements are the zero padding
+            col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
+            a_mask = a_mask & ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b_ptrs = w_ptr + (kh * ROW + kk)[:, None] * COUT + offs_n[None, :]
+        b = tl.load(b_ptrs, mask=(kk < ROW)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
+
+    # Epilogue, on the fp32 tile before it leaves the chip: folded batch-norm bias, residual, ReLU.
+    acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    y_offs = offs_m[:, None] * COUT + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@dataclass
+class PackedConv:
+    """A convolution with its batch-norm folded in, laid out for the kernel."""
+
+    weight: torch.Tensor  # [KH*KW*CIN, COUT]: rows ordered (kh, kw, cin), cin fastest, matching the NHWC input
+    bias: torch.Tensor  # [COUT], fp32 (added to the fp32 accumulator)
+    kh: int
+    kw: int
+    stride: int
+    pad: int
+
+
+def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu") -> PackedConv:
+    """Fold an eval-mode BatchNorm2d (`bn`) into the convolution's [COUT, CIN, KH, KW] `weight` and `bias`:
+    bn(conv(x)) = conv(x; weight * s) + (bias - mean) * s + beta, with s = gamma / sqrt(var + eps). Folded in fp64,
+    rounded once to `dtype`."""
+    w = weight.detach().double()
+    b = bias.detach().double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    if bn is not None:
+        s = bn.weight.detach().double() / torch.sqrt(bn.running_var.double() + bn.eps)
+        w = w * s[:, None, None, None]
+        b = (b - bn.running_mean.double()) * s + bn.bias.detach().double()
+    cout, cin, kh, kw = w.shape
+    packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
+    return PackedConv(packed.to(device, dtype).contiguous(), b.to(device, torch.float32).contiguous(),
+                      kh, kw, stride, pad)
+
+
+def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
+           precision: str = "ieee", tune: bool = True) -> torch.Tensor:
+    """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN])."""
+    n, h, w, cin = x.shape
+    cout = p.weight.shape[1]
+    oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
+    y = torch.empty((n, oh, ow, cout), device=x.device, dtype=x.dtype)
+    m = n * oh * ow
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
+
+    args = (x, p.weight, p.bias, y if residual is None else residual, y, m, h, w, cin, oh, ow, cout,
+            p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision)
+    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kw * cin, x.element_size()))
+    return y

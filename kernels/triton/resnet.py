@@ -1,0 +1,57 @@
+"""A torchvision ResNet run entirely on our Triton kernels, NHWC from the stem to the classifier."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from kernels.triton.conv import PackedConv, conv2d, pack_conv
+from kernels.triton.pool import global_avg_pool, max_pool2d
+
+
+def _pack(conv: torch.nn.Conv2d, bn, dtype, device) -> PackedConv:
+    if conv.groups != 1 or conv.dilation != (1, 1) or conv.stride[0] != conv.stride[1]:
+        raise ValueError(f"unsupported convolution {conv} (grouped, dilated or anisotropic)")
+    return pack_conv(conv.weight, conv.stride[0], conv.padding[0], bn, conv.bias, dtype, device)
+
+
+def pack_block(block: torch.nn.Module, dtype, device):
+    """A BasicBlock or Bottleneck: its convolutions in order (the last one takes the residual) and the optional
+    downsample (1x1 convolution + batch-norm on the shortcut)."""
+    names = ("1", "2", "3") if hasattr(block, "conv3") else ("1", "2")
+    convs = [_pack(getattr(block, "conv" + i), getattr(block, "bn" + i), dtype, device) for i in names]
+    down = _pack(block.downsample[0], block.downsample[1], dtype, device) if block.downsample is not None else None
+    return convs, down
+
+
+def run_block(x: torch.Tensor, packed, conv=conv2d) -> torch.Tensor:
+    """relu(convs(x) + shortcut(x)) on NHWC `x`, every batch-norm, ReLU and the residual add fused into the convs."""
+    convs, down = packed
+    identity = x if down is None else conv(x, down, relu=False)
+    for p in convs[:-1]:
+        x = conv(x, p)
+    return conv(x, convs[-1], residual=identity)
+
+
+class TritonResNet:
+    """torchvision's ResNet (BasicBlock or Bottleneck blocks) with batch-norm folded at construction.
+    `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32"."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True):
+        self.conv = partial(conv2d, precision=precision, tune=tune)
+        self.tune = tune
+        self.stem = _pack(model.conv1, model.bn1, dtype, device)
+        self.blocks = [pack_block(block, dtype, device)
+                       for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
+        fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
+        self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device)
+        self.launches = 3 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`: [N, 3, H, W] in any memory format; a channels_last tensor is already NHWC, so this costs nothing."""
+        x = x.permute(0, 2, 3, 1).contiguous()
+        x = max_pool2d(self.conv(x, self.stem), tune=self.tune)
+        for packed in self.blocks:
+            x = run_block(x, packed, self.conv)
+        pooled = global_avg_pool(x, tune=self.tune)
+        return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)

@@ -1,0 +1,122 @@
+"""The Triton rung's kernels against PyTorch, on the CPU through Triton's interpreter (CI has no GPU).
+
+Everything runs in fp32 with strict ("ieee") dot precision, so the tolerances are tight: a wrong index, mask or
+batch-norm fold shows up as a large error, not as rounding.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torchvision  # noqa: E402
+
+from harness.model import build_model  # noqa: E402
+from kernels.triton.conv import conv2d, pack_conv  # noqa: E402
+from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
+from kernels.triton.resnet import pack_block, run_block  # noqa: E402
+from tiers.base import Cell  # noqa: E402
+from tiers.triton import TIER  # noqa: E402
+
+
+def nhwc(t):
+    return t.permute(0, 2, 3, 1).contiguous()
+
+
+def nchw(t):
+    return t.permute(0, 3, 1, 2)
+
+
+def close(a, b, tol=1e-4):
+    """Max abs error relative to the reference's magnitude."""
+    err = (a - b).abs().max().item() / b.abs().max().item()
+    assert err < tol, f"relative max error {err:.2e}"
+
+
+# (batch, cin, cout, h, w, kernel, stride, pad, residual, relu): odd sizes everywhere; several cases span more than one
+# tile in M (> 64 pixels), N (> 128 channels) and K (window row > 128 elements) under the interpreter's config.
+CONV_CASES = [
+    (3, 3, 17, 13, 10, 7, 2, 3, False, True),  # the stem's shape: 3 input channels, 7x7/s2/p3
+    (3, 50, 130, 5, 7, 3, 1, 1, True, True),  # 3x3/s1: two K steps per window row, two channel tiles
+    (3, 5, 7, 9, 11, 3, 2, 1, False, True),  # 3x3/s2 over an odd image
+    (3, 19, 33, 7, 9, 1, 1, 0, True, False),  # 1x1: a GEMM, residual without ReLU
+    (3, 19, 33, 7, 8, 1, 2, 0, False, False),  # 1x1/s2: the downsample shortcut
+]
+
+
+@pytest.mark.parametrize("n,cin,cout,h,w,k,stride,pad,residual,relu", CONV_CASES)
+def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(n, cin, h, w), torch.randn(cout, cin, k, k), torch.randn(cout)
+    ref = F.conv2d(x, weight, bias, stride, pad)
+    res = torch.randn_like(ref) if residual else None
+    if residual:
+        ref = ref + res
+    if relu:
+        ref = F.relu(ref)
+    out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias), nhwc(res) if residual else None, relu)
+    close(nchw(out), ref)
+
+
+def test_linear():
+    torch.manual_seed(0)
+    x, fc = torch.randn(3, 37), torch.nn.Linear(37, 29)
+    out = conv2d(x[:, None, None, :], pack_conv(fc.weight[:, :, None, None], bias=fc.bias), relu=False)
+    close(out.view(3, 29), F.linear(x, fc.weight, fc.bias).detach())
+
+
+def test_max_pool():
+    x = torch.randn(3, 13, 9, 11)
+    assert torch.equal(nchw(max_pool2d(nhwc(x))), F.max_pool2d(x, 3, 2, 1))
+
+
+def test_global_avg_pool():
+    x = torch.randn(3, 13, 7, 5)
+    close(global_avg_pool(nhwc(x)), F.adaptive_avg_pool2d(x, 1).flatten(1), 1e-6)
+
+
+def randomise_bn(module, seed=0):
+    """Random batch-norm statistics and affine terms (torchvision's defaults fold to the identity)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                for t, lo, hi in ((m.weight, 0.5, 1.5), (m.bias, -0.2, 0.2), (m.running_mean, -0.2, 0.2),
+                                  (m.running_var, 0.5, 2.0)):
+                    t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=g))
+    return module.eval()
+
+
+@pytest.mark.parametrize("downsample", [False, True])
+def test_bottleneck(downsample):
+    torch.manual_seed(0)
+    planes = 8
+    if downsample:  # stride 2 and a channel change: the shortcut is a 1x1/s2 conv + BN
+        inplanes, stride = 24, 2
+        down = torch.nn.Sequential(torch.nn.Conv2d(inplanes, planes * 4, 1, stride, bias=False),
+                                   torch.nn.BatchNorm2d(planes * 4))
+    else:
+        inplanes, stride, down = planes * 4, 1, None
+    block = randomise_bn(torchvision.models.resnet.Bottleneck(inplanes, planes, stride, down))
+    x = torch.randn(3, inplanes, 9, 7)
+    with torch.no_grad():
+        ref = block(x)
+    close(nchw(run_block(nhwc(x), pack_block(block, torch.float32, "cpu"))), ref)
+
+
+@pytest.mark.parametrize("model,channels_last", [("resnet50", True), ("resnet18", False)])
+def test_tier_forward(model, channels_last):
+    """The whole rung as the worker drives it, against eager, on a tiny image."""
+    assert TIER.availability("cpu") is None
+    net = build_model(model)
+    x = torch.randn(1, 3, 32, 32)
+    example = x.to(memory_format=torch.channels_last) if channels_last else x
+    built = TIER.build(net, example, Cell(tier="triton", model=model, batch=1, res=32, device="cpu",
+                                          channels_last=channels_last))
+    with torch.no_grad():
+        ref = net(x)
+    out = built.forward(example)
+    close(out, ref)
+    assert out.argmax(1).equal(ref.argmax(1))
+    assert built.stats["autotune"] == "interpreter"

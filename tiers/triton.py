@@ -1,0 +1,131 @@
+"""Rung `triton`: the ResNet computed by our own Triton kernels (kernels/triton/), convolutions included.
+
+Build folds batch-norm into the weights, packs them for the implicit-GEMM kernel and runs one forward, which
+autotunes every kernel for this cell's shapes (or reads the tunings from Triton's disk cache); the time spent
+benchmarking configurations is this rung's JIT overhead, reported in build stats. Option autotune=off runs one
+heuristic config per kernel instead (fast builds, for parity checks).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from tiers.base import Built, Cell, PythonTier
+
+MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2")
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
+def _precision(dtype: str) -> str:
+    # tl.dot's input precision matters only for fp32 operands: strict "ieee" for fp32, TF32 tensor cores for tf32.
+    # 16-bit operands take Triton's default ("tf32"), which runs them on the tensor cores as they are.
+    return "ieee" if dtype == "fp32" else "tf32"
+
+
+class TritonTier(PythonTier):
+    name = "triton"
+    summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
+    models = MODELS
+    cuda_graph = True
+    options = {"autotune": ("on", "off")}
+
+    def availability(self, device: str) -> str | None:
+        if device == "cpu":
+            return None if os.environ.get("TRITON_INTERPRET") == "1" else "Triton needs a GPU or TRITON_INTERPRET=1"
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not importable: {e}"
+        return None
+
+    def build(self, model, example, cell: Cell) -> Built:
+        import torch
+
+        from kernels.triton import tuning
+        from kernels.triton.resnet import TritonResNet
+
+        tune = cell.option("autotune", "on") == "on" and not tuning.INTERPRET
+        net = TritonResNet(model, _torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune)
+        before = dict(tuning.STATS)
+        start = time.perf_counter()
+        with torch.no_grad():
+            net(example)  # compiles every kernel variant and autotunes every shape of this cell
+        if example.is_cuda:
+            torch.cuda.synchronize()
+        benchmarks = tuning.STATS["benchmarks"] - before["benchmarks"]
+        stats = {
+            "autotune": "on" if tune else ("interpreter" if tuning.INTERPRET else "off"),
+            "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
+            "autotune_benchmarks": benchmarks,  # configs timed; 0 = all tunings came from Triton's disk cache
+            "autotune_cache": ("miss" if benchmarks else "hit") if tune else None,
+            "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
+            "launches_per_forward": net.launches,
+        }
+        return Built(forward=net, stats=stats)
+
+
+TIER = TritonTier()
+
+
+def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
+    """Distinct convolutions of ResNet-50 at `res` as ((cin, cout, k, stride, pad, h, w), how many), in net order."""
+    import torch
+
+    from harness.model import build_model
+
+    model, seen = build_model("resnet50"), {}
+
+    def hook(conv, inputs, _):
+        h, w = inputs[0].shape[2:]
+        key = (conv.in_channels, conv.out_channels, conv.kernel_size[0], conv.stride[0], conv.padding[0], h, w)
+        seen[key] = seen.get(key, 0) + 1
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.zeros(1, 3, res, res))
+    return list(seen.items())
+
+
+def micro(batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
+    """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC, autotuned)
+    vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor (torch.compile, default
+    mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from kernels.triton.conv import conv2d, pack_conv
+
+    tdt, precision = _torch_dtype(dtype), _precision(dtype)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    rows = []
+    for (cin, cout, k, stride, pad, h, w), count in _conv_shapes(res):
+        x = torch.randn(batch, cin, h, w, device="cuda", dtype=tdt).to(memory_format=fmt)
+        weight = (torch.randn(cout, cin, k, k, device="cuda") * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
+            memory_format=fmt)
+        bias = torch.randn(cout, device="cuda", dtype=tdt)
+        packed = pack_conv(weight, stride, pad, bias=bias, dtype=tdt, device="cuda")
+        nhwc = x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (inside the rung activations stay NHWC)
+        torch._dynamo.reset()  # a fresh compile per shape (no recompile limit, no dynamic shapes)
+        inductor = torch.compile(lambda t: F.relu(F.conv2d(t, weight, bias, stride, pad)))
+        ho, wo = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+        flop = 2 * batch * ho * wo * cout * cin * k * k
+        row = {"shape": f"{k}x{k}/s{stride} {cin}->{cout} @{h}x{w}", "count": count, "batch": batch, "dtype": dtype,
+               "layout": "nhwc" if channels_last else "nchw", "gflop": round(flop / 1e9, 3)}
+        for name, fn in (("triton", lambda: conv2d(nhwc, packed, precision=precision)),
+                         ("cudnn", lambda: F.conv2d(x, weight, bias, stride, pad)),
+                         ("inductor", lambda: inductor(x))):
+            fn()  # autotune / compile outside the timing
+            ms = do_bench(fn, return_mode="median")
+            row[f"{name}_ms"] = round(ms, 4)
+            row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
+        rows.append(row)
+    return rows
