@@ -1,58 +1,62 @@
-"""The TorchScript module of the `torchscript` rung (in the worker) and of the `torchscript-cpp` rung (from C++).
+"""The TorchScript module of the `torchscript` rung (run from Python) and of the `torchscript-cpp` rung (run from C++).
 
-`export_torchscript` is the one recipe both use. `python -m tiers.torchscript_export ...` runs it for one cell in
-a process of its own, so that the parent of a `torchscript-cpp` cell never touches the GPU itself: a trace on the
-device leaves a CUDA context and cached allocator blocks behind in the process that ran it.
+`export_torchscript` is the one recipe both use: trace, freeze, optimize_for_inference. For `torchscript-cpp` the
+parent exports before starting the C++ child with `python -m tiers.torchscript_export --cell JSON --weights W
+--out PATH`, in a process of its own: the trace runs on the cell's device, and the parent must not keep a CUDA
+context and cached allocator blocks of its own while the child is measured. The file holds the frozen module and
+the loader applies optimize_for_inference itself (torch::jit::optimize_for_inference in C++): on the CPU that pass
+packs weights for oneDNN into objects that cannot be serialised (loading fails with "required keyword attribute
+'value' is undefined").
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from tiers.base import Cell, place_model
+
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def export_torchscript(model: torch.nn.Module, example: torch.Tensor, path: Path | None = None) -> torch.jit.ScriptModule:
-    """Traces `model` on `example` (both already in the cell's device, dtype and layout), freezes it (weights become
-    constants, batch-norm folds into the convolutions) and applies optimize_for_inference; saves it to `path` if
-    given. Returns the module."""
-    with torch.no_grad():
-        traced = torch.jit.trace(model.eval(), example)
-        module = torch.jit.optimize_for_inference(torch.jit.freeze(traced))
-    if path is not None:
-        module.save(str(path))
-    return module
-
-
-def export_cell(model_name: str, weights: Path, out: Path, batch: int, res: int, dtype: str, channels_last: bool,
-                device: str) -> float:
-    """Exports the run's model for one cell to `out`; returns the export's wall time in seconds (loading excluded)."""
-    from harness.model import load_model
-
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = load_model(model_name, weights).to(device=device, dtype=DTYPES[dtype], memory_format=fmt)
-    example = torch.zeros(batch, 3, res, res, device=device, dtype=DTYPES[dtype]).contiguous(memory_format=fmt)
+def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
+                       path: Path | None = None) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
+    """Traces `model` on `example` (both already on the cell's device, dtype and layout), freezes it (weights
+    become constants, batch-norm folds into the convolutions), saves the frozen module to `path` if given, and
+    applies optimize_for_inference. Returns the optimised module and facts for build_stats."""
     t0 = time.perf_counter()
-    export_torchscript(model, example, out)
-    return time.perf_counter() - t0
+    # Outside inference mode: the worker builds under it, and tracing/freezing rejects inference tensors.
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(model.eval(), example.clone())
+        frozen = torch.jit.freeze(traced)
+        if path is not None:
+            frozen.save(str(path))  # before optimize_for_inference, which rewrites `frozen` in place
+        module = torch.jit.optimize_for_inference(frozen)
+    deprecation = next((str(w.message) for w in caught if "deprecat" in str(w.message).lower()), None)
+    return module, {"torchscript_export_s": time.perf_counter() - t0, "torchscript_deprecation": deprecation}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", required=True)
+    p = argparse.ArgumentParser(description="Exports the TorchScript module of one cell (torchscript-cpp rung).")
+    p.add_argument("--cell", required=True, help="the cell as JSON (Cell.to_dict)")
     p.add_argument("--weights", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--res", type=int, required=True)
-    p.add_argument("--dtype", choices=tuple(DTYPES), required=True)
-    p.add_argument("--channels-last", type=int, choices=(0, 1), default=0)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     a = p.parse_args()
-    seconds = export_cell(a.model, a.weights, a.out, a.batch, a.res, a.dtype, bool(a.channels_last), a.device)
-    print(f"{seconds:.3f}")  # the parent reads the export time from the last line
+    from harness.model import load_model
+
+    d = json.loads(a.cell)
+    cell = Cell(**{**d, "options": tuple(d["options"].items())})
+    model = place_model(load_model(cell.model, a.weights), cell)
+    fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
+    example = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=_DTYPES[cell.dtype])
+    _, facts = export_torchscript(model, example.contiguous(memory_format=fmt), a.out)
+    print(json.dumps(facts))  # the parent reads the facts from the last line
 
 
 if __name__ == "__main__":

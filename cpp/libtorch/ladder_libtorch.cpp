@@ -1,0 +1,150 @@
+// The `libtorch` rung: torchvision's ResNet family written natively with torch::nn, no Python in the process.
+// Module and attribute names follow torchvision exactly, so the contract's weights file (a torchvision
+// state_dict) loads by name: `layer1.0.downsample.1.running_var` is the same path here as there.
+#include "torch_rung.h"
+
+namespace {
+
+using namespace ladder_torch;
+
+torch::nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1, int64_t groups = 1) {
+  return torch::nn::Conv2d(
+      torch::nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2).groups(groups).bias(false));
+}
+
+// torchvision's BasicBlock (two 3x3 convs) or Bottleneck (1x1, 3x3, 1x1; the stride on the 3x3 as in "ResNet v1.5").
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t in, int64_t planes, int64_t stride, bool bottleneck, int64_t groups, int64_t base_width) {
+    const int64_t expansion = bottleneck ? 4 : 1;
+    const int64_t width = bottleneck ? planes * base_width / 64 * groups : planes;
+    if (bottleneck) {
+      conv1 = register_module("conv1", conv(in, width, 1));
+      conv2 = register_module("conv2", conv(width, width, 3, stride, groups));
+      conv3 = register_module("conv3", conv(width, planes * expansion, 1));
+      bn3 = register_module("bn3", torch::nn::BatchNorm2d(planes * expansion));
+    } else {
+      conv1 = register_module("conv1", conv(in, planes, 3, stride));
+      conv2 = register_module("conv2", conv(planes, planes, 3));
+    }
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(width));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(width));
+    if (stride != 1 || in != planes * expansion)
+      downsample = register_module(
+          "downsample", torch::nn::Sequential(conv(in, planes * expansion, 1, stride),
+                                              torch::nn::BatchNorm2d(planes * expansion)));
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor out = torch::relu(bn1(conv1(x)));
+    out = bn2(conv2(out));
+    if (conv3) out = bn3(conv3(torch::relu(out)));
+    out += downsample ? downsample->forward(x) : x;
+    return torch::relu(out);
+  }
+
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  torch::nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct Spec {
+  std::vector<int64_t> layers;
+  bool bottleneck;
+  int64_t groups = 1, base_width = 64;
+};
+
+// torchvision.models.resnet's constructors.
+const std::map<std::string, Spec> kModels = {
+    {"resnet18", {{2, 2, 2, 2}, false}},
+    {"resnet34", {{3, 4, 6, 3}, false}},
+    {"resnet50", {{3, 4, 6, 3}, true}},
+    {"resnet101", {{3, 4, 23, 3}, true}},
+    {"resnet152", {{3, 8, 36, 3}, true}},
+    {"wide_resnet50_2", {{3, 4, 6, 3}, true, 1, 128}},
+    {"resnext50_32x4d", {{3, 4, 6, 3}, true, 32, 4}},
+};
+
+struct ResNetImpl : torch::nn::Module {
+  explicit ResNetImpl(const Spec& s) {
+    conv1 = register_module("conv1", conv(3, 64, 7, 2));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(64));
+    int64_t in = 64;
+    for (size_t i = 0; i < 4; ++i) {
+      const int64_t planes = 64 << i;
+      torch::nn::Sequential layer;
+      for (int64_t b = 0; b < s.layers[i]; ++b) {
+        layer->push_back(Block(in, planes, b == 0 && i > 0 ? 2 : 1, s.bottleneck, s.groups, s.base_width));
+        in = planes * (s.bottleneck ? 4 : 1);
+      }
+      layers.push_back(register_module("layer" + std::to_string(i + 1), layer));
+    }
+    fc = register_module("fc", torch::nn::Linear(in, 1000));
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor y = torch::max_pool2d(torch::relu(bn1(conv1(x))), {3, 3}, {2, 2}, {1, 1});
+    for (auto& layer : layers) y = layer->forward(y);
+    return fc(torch::adaptive_avg_pool2d(y, {1, 1}).flatten(1));
+  }
+
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  std::vector<torch::nn::Sequential> layers;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ResNet);
+
+// Copies the weights file into the network by name; any name on one side only, or any shape that differs, is an
+// error (the contract leaves out batch-norm's `num_batches_tracked` counters, which inference never reads).
+void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, const std::string& model) {
+  std::map<std::string, torch::Tensor> own;
+  for (auto& p : net.named_parameters()) own[p.key()] = p.value();
+  for (auto& b : net.named_buffers())
+    if (b.key().find("num_batches_tracked") == std::string::npos) own[b.key()] = b.value();
+  std::vector<std::string> missing, unexpected, mismatched;
+  for (auto& kv : own)
+    if (!weights.count(kv.first)) missing.push_back(kv.first);
+  for (auto& kv : weights) {
+    auto it = own.find(kv.first);
+    if (it == own.end()) {
+      unexpected.push_back(kv.first);
+    } else if (it->second.sizes().vec() != kv.second.shape) {
+      mismatched.push_back(kv.first);
+    } else {
+      it->second.copy_(torch::from_blob(const_cast<float*>(kv.second.data.data()), kv.second.shape, torch::kFloat));
+    }
+  }
+  if (missing.empty() && unexpected.empty() && mismatched.empty()) return;
+  auto some = [](const std::vector<std::string>& v) {
+    std::string s = std::to_string(v.size()) + " [";
+    for (size_t i = 0; i < v.size() && i < 3; ++i) s += (i ? ", " : "") + v[i];
+    return s + (v.size() > 3 ? ", ...]" : "]");
+  };
+  throw std::runtime_error("weights file does not match " + model + ": missing " + some(missing) + ", unexpected " +
+                           some(unexpected) + ", wrong shape " + some(mismatched));
+}
+
+std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap& weights, const HostTensor& input,
+                                    Json& stats) {
+  const std::string model = a.get("model");
+  auto spec = kModels.find(model);
+  if (spec == kModels.end()) throw std::runtime_error("the libtorch rung implements only the ResNet family, not " + model);
+  return std::make_unique<TorchRung>(a, input, stats, /*inference_mode=*/true, [&](const Config& cfg) -> Net {
+    ResNet net(spec->second);
+    net->eval();
+    load_weights(*net, weights, model);
+    net->to(cfg.device, cfg.dtype);
+    // torch::nn::Module::to has no memory-format overload; Python's does this to every 4-d tensor.
+    for (auto& p : net->parameters())
+      if (p.dim() == 4) p.set_data(p.contiguous(cfg.memory_format));
+    int64_t params = 0;
+    for (auto& p : net->parameters()) params += p.numel();
+    stats["parameters"] = static_cast<long long>(params);
+    return [net](const torch::Tensor& x) mutable { return net->forward(x); };
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return ladder::run_child(argc, argv, build); }

@@ -1,0 +1,103 @@
+"""The LibTorch rungs (cpp/libtorch, tiers/libtorch.py), for real: build the C++ project once (into LADDER_CACHE),
+run both binaries through the whole child contract on the CPU at a small size, compare with eager PyTorch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.model import build_model, make_input, read_tensor, write_input, write_weights
+from tiers.base import Cell
+from tiers.libtorch import TIERS
+
+RESULT_KEYS = {"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory", "util",
+               "rss_peak_bytes"}
+# The contract's options at a size that keeps each run to seconds on a small CPU.
+TINY = {"warmup-min": 1, "warmup-max": 2, "warmup-s": 0.01, "iters": 2, "min-time-s": 0.01, "max-iters": 3,
+        "pipelined-iters": 2, "e2e-iters": 1, "util-s": 0.01}
+LIBTORCH, TORCHSCRIPT_CPP = TIERS
+
+pytestmark = pytest.mark.skipif(LIBTORCH.availability("cpu") is not None,
+                                reason=str(LIBTORCH.availability("cpu")))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("libtorch")
+    model = build_model("resnet50")
+    write_weights(model, d / "resnet50.safetensors")
+    write_weights(build_model("resnet18"), d / "resnet18.safetensors")
+    x = make_input(2, 64)
+    write_input(x, d / "input.safetensors")
+    with torch.no_grad():
+        torch.save(model(x), d / "reference.pt")
+    return {"dir": d, "input": d / "input.safetensors", "reference": d / "reference.pt",
+            "resnet50": d / "resnet50.safetensors", "resnet18": d / "resnet18.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def programs() -> dict[str, list[str]]:
+    """Both executables, built once per session (slow the first time: minutes against the torch headers)."""
+    return {t.name: t.command(Cell(tier=t.name, device="cpu")) for t in TIERS}
+
+
+def run_child(program: list[str], cell: Cell, files: dict[str, Path], weights: Path | None = None,
+              options: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    out = files["dir"] / cell.tier
+    out.mkdir(exist_ok=True)
+    argv = [*program, "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
+            "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)), "--cuda-graph",
+            str(int(cell.cuda_graph)), "--device", cell.device, "--weights", str(weights or files["resnet50"]),
+            "--input", str(files["input"]), "--output", str(out / "output.safetensors"),
+            "--result", str(out / "result.json"), *(a for k, v in TINY.items() for a in (f"--{k}", str(v))),
+            *(a for k, v in (options or {}).items() for a in ("--option", f"{k}={v}"))]
+    # One thread: the test machine's cores may be busy, and two spinning OpenMP threads then cost 50x.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600), out
+
+
+def check_contract(proc: subprocess.CompletedProcess, out: Path, files: dict[str, Path]) -> dict:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    phases = [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")]
+    assert phases == ["load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "done"]
+    result = json.loads((out / "result.json").read_text())
+    assert set(result) == RESULT_KEYS
+    assert len(result["latency"]["samples_ms"]) >= TINY["iters"]
+    assert result["memory"]["allocator_peak_bytes"] is None  # the CPU has no caching-allocator figures
+    logits, reference = read_tensor(out / "output.safetensors", "output"), torch.load(files["reference"])
+    assert logits.shape == reference.shape == (2, 1000)
+    assert torch.allclose(logits, reference, rtol=1e-4, atol=1e-4), (logits - reference).abs().max()
+    assert torch.equal(logits.argmax(1), reference.argmax(1))
+    return result
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_libtorch_matches_eager(programs, files, channels_last):
+    cell = Cell(tier="libtorch", batch=2, res=64, device="cpu", channels_last=channels_last)
+    result = check_contract(*run_child(programs["libtorch"], cell, files), files)
+    assert result["build_stats"]["parameters"] == sum(p.numel() for p in build_model("resnet50").parameters())
+
+
+def test_torchscript_cpp_matches_eager(programs, files):
+    cell = Cell(tier="torchscript-cpp", batch=2, res=64, device="cpu")
+    options = TORCHSCRIPT_CPP.prepare(cell, files["resnet50"], files["dir"])
+    assert Path(options["ts-path"]).is_file()
+    result = check_contract(*run_child(programs["torchscript-cpp"], cell, files, options=options), files)
+    assert result["build_stats"]["parent_export_s"] == float(options["export-s"])
+
+
+@pytest.mark.parametrize("tier, weights, cuda_graph, message", [
+    ("libtorch", "resnet18", False, "weights file does not match resnet50: missing"),
+    ("torchscript-cpp", "resnet50", False, "needs --option ts-path"),
+    ("libtorch", "resnet50", True, "CUDA graphs need --device cuda"),
+])
+def test_clear_errors(programs, files, tier, weights, cuda_graph, message):
+    cell = Cell(tier=tier, batch=2, res=64, device="cpu", cuda_graph=cuda_graph)
+    proc, _ = run_child(programs[tier], cell, files, weights=files[weights])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("@@error ")]
+    assert len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr

@@ -1,0 +1,86 @@
+"""Rungs `libtorch` and `torchscript-cpp`: the network run from C++ through LibTorch, with no Python in the
+process (cpp/libtorch). `libtorch` is ResNet written natively with torch::nn and loaded by name from the run's
+weights; `torchscript-cpp` loads the frozen TorchScript module of the `torchscript` rung with torch::jit::load.
+Both build against the installed torch's own CMake package, so they run the very kernels of the Python rungs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.cbuild import REPO, cmake_build
+from tiers.base import Cell, ExternalTier, Unavailable
+
+
+def _cuda_home() -> Path | None:
+    """The CUDA toolkit torch's CMake package should use (it needs the headers and the runtime library)."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            return Path(os.environ[env])
+    return Path("/usr/local/cuda") if Path("/usr/local/cuda/bin/nvcc").exists() else None
+
+
+def _missing() -> str | None:
+    """Why the C++ project cannot be built here, or None."""
+    import torch
+
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found on PATH"
+    config = Path(torch.utils.cmake_prefix_path) / "Torch" / "TorchConfig.cmake"
+    if not config.exists():
+        return f"torch {torch.__version__} has no CMake package ({config} missing)"
+    if torch.version.cuda is None:  # the shared C++ driver (ladder/protocol.h) is built on the CUDA runtime
+        return f"torch {torch.__version__} is a CPU-only build; the C++ rungs need a CUDA build of torch"
+    home = _cuda_home()
+    if home is None or not (home / "include" / "cuda_runtime.h").exists():
+        return "CUDA toolkit not found (set CUDA_HOME; torch's CMake package needs its headers and cudart)"
+    return None
+
+
+class LibTorch(ExternalTier):
+    name = "libtorch"
+    summary = "ResNet written with the LibTorch C++ API (torch::nn), weights loaded by name; no Python"
+    models = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "resnext50_32x4d")
+    cuda_graph = True
+    target = "ladder_libtorch"
+
+    def availability(self, device: str) -> str | None:
+        return _missing()
+
+    def command(self, cell: Cell) -> list[str]:
+        import torch
+
+        reason = _missing()
+        if reason:
+            raise Unavailable(reason)
+        home = _cuda_home()
+        key = {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(home.resolve())}
+        args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
+                f"-DCMAKE_CUDA_COMPILER={home / 'bin' / 'nvcc'}"]
+        return [str(cmake_build("libtorch", key, args, self.target))]
+
+
+class TorchScriptCpp(LibTorch):
+    name = "torchscript-cpp"
+    summary = "the torchscript rung's frozen module, loaded with torch::jit::load and run from C++; no Python"
+    models = None
+    target = "ladder_torchscript_cpp"
+
+    def prepare(self, cell: Cell, weights: Path, workdir: Path) -> dict[str, str]:
+        """Exports the cell's TorchScript module into `workdir` in a process of its own (tiers/torchscript_export.py)."""
+        out = Path(workdir) / "model.torchscript.pt"
+        proc = subprocess.run([sys.executable, "-m", "tiers.torchscript_export", "--cell", json.dumps(cell.to_dict()),
+                               "--weights", str(weights), "--out", str(out)],
+                              cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-3:]
+            raise Unavailable("TorchScript export failed: " + " | ".join(tail))
+        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"ts-path": str(out), "export-s": f"{facts['torchscript_export_s']:.3f}"}
+
+
+TIERS = [LibTorch(), TorchScriptCpp()]
