@@ -1,0 +1,360 @@
+#include "conv.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "kernels.h"
+
+namespace rung {
+namespace {
+
+void check(cudnnStatus_t s, const std::string& what) {
+  if (s != CUDNN_STATUS_SUCCESS) throw std::runtime_error(what + ": " + cudnn_status(s));
+}
+
+// Unique ids of the graph's tensors; the variant pack maps the real ones to device pointers.
+enum Uid : int64_t { kX = 1, kW, kBias, kZ, kY, kVirtual = 100 };
+
+// dims are [N, C, H, W] (filters [K, C, R, S]); NHWC keeps C innermost.
+std::vector<int64_t> strides_for(const std::vector<int64_t>& d, bool nhwc) {
+  if (nhwc) return {d[1] * d[2] * d[3], 1, d[3] * d[1], d[1]};
+  return {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1};
+}
+
+Desc tensor(int64_t uid, const std::vector<int64_t>& dims, bool nhwc, cudnnDataType_t type, bool is_virtual) {
+  Desc t(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+  int64_t alignment = 16;
+  t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type)
+      .set(CUDNN_ATTR_TENSOR_DIMENSIONS, dims)
+      .set(CUDNN_ATTR_TENSOR_STRIDES, strides_for(dims, nhwc))
+      .set(CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid)
+      .set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment)
+      .set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual)
+      .finalize();
+  return t;
+}
+
+// One pointwise node y = mode(x[, b]) computed in fp32; its mode descriptor goes to `keep`.
+Desc pointwise(cudnnPointwiseMode_t mode, const Desc& x, const Desc* b, const Desc& y, std::vector<Desc>& keep) {
+  Desc pw(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+  cudnnDataType_t math = CUDNN_DATA_FLOAT;
+  pw.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode)
+      .set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &math)
+      .finalize();
+  Desc op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+  op.set(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw).set(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
+  if (b) op.set(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
+  op.set(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y).finalize();
+  keep.push_back(std::move(pw));
+  return op;
+}
+
+bool residual(Epilogue e) { return e == Epilogue::BiasAddRelu; }
+bool relu(Epilogue e) { return e != Epilogue::Bias; }
+
+// The operation graph of the spec, with the epilogue (fused) or without it. Returns every descriptor it made; the
+// operation graph is the last. Tensors are allocated by index up front so that references stay valid.
+std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool fused) {
+  const ConvShape& s = spec.shape;
+  const cudnnDataType_t data = spec.precision->cudnn;
+  std::vector<Desc> keep;
+  keep.reserve(32);
+  keep.push_back(tensor(kX, {s.n, s.c, s.h, s.w}, spec.nhwc, data, false));
+  keep.push_back(tensor(kW, {s.k, s.c, s.r, s.s}, spec.nhwc, data, false));
+  keep.push_back(tensor(kY, {s.n, s.k, s.p(), s.q()}, spec.nhwc, data, false));
+  const Desc &x = keep[0], &w = keep[1], &y = keep[2];
+
+  Desc conv(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+  cudnnDataType_t accumulate = CUDNN_DATA_FLOAT;
+  cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;  // what PyTorch's conv2d computes
+  int64_t dims = 2;
+  conv.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &accumulate)
+      .set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode)
+      .set(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &dims)
+      .set(CUDNN_ATTR_CONVOLUTION_DILATIONS, std::vector<int64_t>{1, 1})
+      .set(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, std::vector<int64_t>{s.stride, s.stride})
+      .set(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, std::vector<int64_t>{s.pad, s.pad})
+      .set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, std::vector<int64_t>{s.pad, s.pad})
+      .finalize();
+
+  // The chain after the convolution: each step reads the previous result; the last one writes y.
+  struct Step { cudnnPointwiseMode_t mode; int64_t operand; };
+  std::vector<Step> steps;
+  if (fused) {
+    steps.push_back({CUDNN_POINTWISE_ADD, kBias});
+    if (residual(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_ADD, kZ});
+    if (relu(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_RELU_FWD, 0});
+  }
+  const std::vector<int64_t> out_dims = {s.n, s.k, s.p(), s.q()};
+  // fp32 intermediates between the fused nodes: one rounding to the storage type, at the end.
+  for (size_t i = 0; i < steps.size(); ++i)
+    keep.push_back(tensor(kVirtual + int64_t(i), out_dims, spec.nhwc, CUDNN_DATA_FLOAT, true));
+  if (fused) keep.push_back(tensor(kBias, {1, s.k, 1, 1}, spec.nhwc, data, false));
+  if (fused && residual(spec.epilogue)) keep.push_back(tensor(kZ, out_dims, spec.nhwc, data, false));
+  auto find = [&](int64_t uid) -> const Desc& {
+    if (uid == kBias) return keep[3 + steps.size()];
+    if (uid == kZ) return keep[4 + steps.size()];
+    return keep[3 + (uid - kVirtual)];  // virtual outputs
+  };
+
+  std::vector<Desc> ops;
+  ops.reserve(8);
+  float alpha = 1.f, beta = 0.f;
+  Desc conv_op(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
+  conv_op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
+      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
+      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv)
+      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
+      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
+      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, steps.empty() ? y : find(kVirtual))
+      .finalize();
+  ops.push_back(std::move(conv_op));
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Desc& in = find(kVirtual + int64_t(i));
+    const Desc& out = i + 1 == steps.size() ? y : find(kVirtual + int64_t(i) + 1);
+    const Desc* operand = steps[i].operand ? &find(steps[i].operand) : nullptr;
+    ops.push_back(pointwise(steps[i].mode, in, operand, out, keep));
+  }
+
+  Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (auto& op : ops) raw.push_back(op.get());
+  graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
+      .set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(raw.size()), raw.data())
+      .finalize();
+  keep.push_back(std::move(conv));
+  for (auto& op : ops) keep.push_back(std::move(op));
+  keep.push_back(std::move(graph));
+  return keep;
+}
+
+// Engine configurations for the graph, best first by cuDNN's heuristic `mode`.
+std::vector<Desc> engine_configs(const Desc& graph, cudnnBackendHeurMode_t mode) {
+  Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+  heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)
+      .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode)
+      .finalize();
+  int64_t n = 0;
+  check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &n,
+                                 nullptr),
+        "engine heuristics count");
+  std::vector<Desc> cfgs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < n; ++i) {
+    cfgs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+    raw.push_back(cfgs.back().get());
+  }
+  int64_t got = 0;
+  check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &got,
+                                 raw.data()),
+        "engine heuristics results");
+  cfgs.erase(cfgs.begin() + got, cfgs.end());
+  return cfgs;
+}
+
+struct EngineInfo {
+  int64_t index = -1;
+  std::vector<cudnnBackendNumericalNote_t> numerical;
+  std::vector<cudnnBackendBehaviorNote_t> behavior;
+  bool has(cudnnBackendNumericalNote_t n) const { return std::find(numerical.begin(), numerical.end(), n) != numerical.end(); }
+  bool has(cudnnBackendBehaviorNote_t n) const { return std::find(behavior.begin(), behavior.end(), n) != behavior.end(); }
+};
+
+EngineInfo engine_info(const Desc& cfg) {
+  Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+  cudnnBackendDescriptor_t raw = engine.get();
+  int64_t n = 0;
+  check(cudnnBackendGetAttribute(cfg.get(), CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &raw),
+        "engine of config");
+  EngineInfo info;
+  check(cudnnBackendGetAttribute(raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &info.index),
+        "engine index");
+  info.numerical.resize(CUDNN_NUMERICAL_NOTE_TYPE_COUNT);
+  check(cudnnBackendGetAttribute(raw, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                                 CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &n, info.numerical.data()),
+        "engine numerical notes");
+  info.numerical.resize(n);
+  info.behavior.resize(CUDNN_BEHAVIOR_NOTE_TYPE_COUNT);
+  check(cudnnBackendGetAttribute(raw, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
+                                 CUDNN_BEHAVIOR_NOTE_TYPE_COUNT, &n, info.behavior.data()),
+        "engine behaviour notes");
+  info.behavior.resize(n);
+  return info;
+}
+
+// The dtype contract, as PyTorch applies it to cuDNN engines: never inputs down-converted or reductions in reduced
+// precision (accumulation stays fp32), and no tensor cores (TF32) for strict fp32.
+bool allowed(const EngineInfo& e, const Precision& p) {
+  if (e.has(CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) || e.has(CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION))
+    return false;
+  return !(p.storage == Storage::F32 && !p.tf32 && e.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE));
+}
+
+Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* workspace) {
+  std::vector<int64_t> uids = {kX, kW, kY};
+  std::vector<void*> ptrs = {const_cast<void*>(io.x), const_cast<void*>(io.w), io.y};
+  if (fused) {
+    uids.push_back(kBias);
+    ptrs.push_back(const_cast<void*>(io.bias));
+    if (residual(spec.epilogue)) {
+      uids.push_back(kZ);
+      ptrs.push_back(const_cast<void*>(io.z));
+    }
+  }
+  Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+  pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, int64_t(ptrs.size()), ptrs.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, uids)
+      .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace)
+      .finalize();
+  return pack;
+}
+
+// Times up to `candidates` allowed engine configurations of the graph (the heuristics' order, then cuDNN's
+// fallback list if none of those ran) and keeps the fastest. Throws with the reasons if none runs.
+std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec, bool fused, const ConvIO& io,
+                                     TuningWorkspace& ws, int candidates, cudaStream_t stream) {
+  auto best = std::make_shared<ConvPlan>();
+  best->keep = build_graph(handle, spec, fused);
+  best->fused = fused;
+  const Desc& graph = best->keep.back();
+  std::unique_ptr<Desc> best_cfg;
+  std::string errors;
+  int listed = 0, allowed_n = 0, finalized_ok = 0;  // for the message when nothing runs
+  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    int finalized = 0;  // runtime-compiled engines compile in finalize: bound the attempts, not only the successes
+    std::vector<Desc> cfgs;
+    try {
+      cfgs = engine_configs(graph, mode);
+    } catch (const std::exception& e) {  // no engine of this heuristic mode supports the graph
+      errors += std::string(errors.empty() ? "" : "; ") + e.what();
+      continue;
+    }
+    listed += int(cfgs.size());
+    for (Desc& cfg : cfgs) {
+      if (best->tried >= candidates) break;
+      EngineInfo info = engine_info(cfg);
+      if (!allowed(info, *spec.precision)) continue;
+      ++allowed_n;
+      if (++finalized > 4 * candidates) break;
+      auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+      plan->set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
+          .set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
+      if (cudnnBackendFinalize(plan->get()) != CUDNN_STATUS_SUCCESS) continue;  // config not valid here
+      ++finalized_ok;
+      int64_t need = 0, n = 0;
+      check(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n,
+                                     &need),
+            "plan workspace size");
+      if (size_t(need) > ws.limit()) continue;
+      Desc pack = variant_pack(spec, fused, io, ws.ensure(size_t(need)));
+      if (cudnnBackendExecute(handle, plan->get(), pack.get()) != CUDNN_STATUS_SUCCESS) continue;
+      double ms = median_ms(stream, [&] { CUDNN_CHECK(cudnnBackendExecute(handle, plan->get(), pack.get())); }, 5, 1);
+      ++best->tried;
+      if (best->plan && ms >= best->tuned_ms) continue;
+      best->plan = std::move(plan);
+      best_cfg = std::make_unique<Desc>(std::move(cfg));
+      best->tuned_ms = ms;
+      best->workspace = need;
+      best->engine = info.index;
+      best->tensor_core = info.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
+      best->runtime_compiled = info.has(CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION);
+    }
+    if (best->plan) break;
+  }
+  if (!best->plan)
+    throw std::runtime_error(std::to_string(listed) + " engine configs listed, " + std::to_string(allowed_n) +
+                             " allowed for the dtype, " + std::to_string(finalized_ok) + " finalized, none ran" +
+                             (errors.empty() ? "" : "; " + errors));
+  best->keep.push_back(std::move(*best_cfg));
+  return best;
+}
+
+}  // namespace
+
+Desc::Desc(cudnnBackendDescriptorType_t type) {
+  check(cudnnBackendCreateDescriptor(type, &d_), "create backend descriptor " + std::to_string(int(type)));
+}
+
+Desc::~Desc() {
+  if (d_) cudnnBackendDestroyDescriptor(d_);
+}
+
+Desc& Desc::set(cudnnBackendAttributeName_t attr, cudnnBackendAttributeType_t type, int64_t count, const void* values) {
+  check(cudnnBackendSetAttribute(d_, attr, type, count, values), "set backend attribute " + std::to_string(int(attr)));
+  return *this;
+}
+
+Desc& Desc::set(cudnnBackendAttributeName_t attr, const Desc& d) {
+  cudnnBackendDescriptor_t raw = d.get();
+  return set(attr, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &raw);
+}
+
+Desc& Desc::set(cudnnBackendAttributeName_t attr, const std::vector<int64_t>& v) {
+  return set(attr, CUDNN_TYPE_INT64, int64_t(v.size()), v.data());
+}
+
+Desc& Desc::finalize() {
+  check(cudnnBackendFinalize(d_), "finalize backend descriptor");
+  return *this;
+}
+
+const char* epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::Bias: return "bias";
+    case Epilogue::BiasRelu: return "bias+relu";
+    case Epilogue::BiasAddRelu: return "bias+add+relu";
+  }
+  return "?";
+}
+
+std::string ConvShape::str() const {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "n%d c%d %dx%d -> k%d %dx%d/s%d p%d", n, c, h, w, k, r, s, stride, pad);
+  return buf;
+}
+
+ladder::Json ConvPlan::stats() const {
+  ladder::Json j = ladder::Json::object();
+  j["fused"] = fused;
+  if (!fused) j["unfused_reason"] = unfused_reason;
+  j["engine"] = static_cast<long long>(engine);
+  j["tensor_core"] = tensor_core;
+  j["runtime_compiled"] = runtime_compiled;
+  j["workspace_bytes"] = static_cast<long long>(workspace);
+  j["candidates_timed"] = tried;
+  j["tuned_ms"] = tuned_ms;
+  return j;
+}
+
+std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
+                                    TuningWorkspace& ws, int candidates, cudaStream_t stream) {
+  std::string why;
+  try {
+    return tune_graph(handle, spec, true, io, ws, candidates, stream);
+  } catch (const std::exception& e) {  // no engine fuses this epilogue: run the convolution alone
+    why = e.what();
+  }
+  try {
+    auto plan = tune_graph(handle, spec, false, io, ws, candidates, stream);
+    plan->unfused_reason = why;
+    return plan;
+  } catch (const std::exception& e) {
+    throw std::runtime_error("no cuDNN engine runs conv " + spec.shape.str() + " in " + spec.precision->name +
+                             ": " + e.what());
+  }
+}
+
+void ConvLayer::bind(void* workspace) {
+  pack_ = std::make_unique<Desc>(variant_pack(spec_, plan_->fused, io_, workspace));
+}
+
+void ConvLayer::run(cudnnHandle_t handle, cudaStream_t stream) const {
+  CUDNN_CHECK(cudnnBackendExecute(handle, plan_->plan->get(), pack_->get()));
+  if (plan_->fused) return;
+  const ConvShape& s = spec_.shape;
+  size_t plane = size_t(s.p()) * s.q();
+  bias_add_relu(io_.y, io_.bias, residual(spec_.epilogue) ? io_.z : nullptr, relu(spec_.epilogue),
+                spec_.precision->storage, size_t(s.n) * s.k * plane, s.k, spec_.nhwc ? 1 : plane, stream);
+}
+
+}  // namespace rung

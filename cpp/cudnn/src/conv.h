@@ -1,0 +1,99 @@
+// A convolution with its epilogue as one cuDNN graph (backend API):
+//   conv -> + bias [-> + residual] [-> relu],
+// with fp32 virtual intermediates, run by the engine configuration that measured fastest among cuDNN's heuristic
+// candidates. If no engine fuses the epilogue, the convolution runs alone and bias_add_relu() applies it.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace rung {
+
+// RAII for a backend descriptor; every status is checked and names the attribute.
+class Desc {
+ public:
+  explicit Desc(cudnnBackendDescriptorType_t type);
+  ~Desc();
+  Desc(Desc&& o) noexcept : d_(o.d_) { o.d_ = nullptr; }
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+  Desc& operator=(Desc&& o) noexcept {
+    std::swap(d_, o.d_);
+    return *this;
+  }
+  cudnnBackendDescriptor_t get() const { return d_; }
+  Desc& set(cudnnBackendAttributeName_t attr, cudnnBackendAttributeType_t type, int64_t count, const void* values);
+  Desc& set(cudnnBackendAttributeName_t attr, const Desc& d);
+  Desc& set(cudnnBackendAttributeName_t attr, const std::vector<int64_t>& v);
+  Desc& finalize();
+
+ private:
+  cudnnBackendDescriptor_t d_ = nullptr;
+};
+
+enum class Epilogue { Bias, BiasRelu, BiasAddRelu };  // projection skip, inner convs, block output
+const char* epilogue_name(Epilogue e);
+
+struct ConvShape {
+  int n, c, h, w;           // input (c includes any zero padding of the stem's channels)
+  int k, r, s, stride, pad;
+  int p() const { return (h + 2 * pad - r) / stride + 1; }
+  int q() const { return (w + 2 * pad - s) / stride + 1; }
+  double flops() const { return 2.0 * n * k * p() * q() * double(c) * r * s; }
+  std::string str() const;  // e.g. "n32 c64 56x56 -> k256 1x1/s1 p0"
+};
+
+struct ConvIO {
+  const void* x;
+  const void* w;     // KRSC (NHWC) or KCRS (NCHW), BN folded in
+  const void* bias;  // [k], BN folded in
+  const void* z;     // residual, same shape as y; only for Epilogue::BiasAddRelu
+  void* y;
+};
+
+// The tuned, pointer-free part: shared by every layer of the same shape and epilogue.
+struct ConvPlan {
+  std::vector<Desc> keep;      // graph, tensors and engine config, alive as long as the plan
+  std::unique_ptr<Desc> plan;  // finalized execution plan
+  bool fused = false;          // epilogue inside the cuDNN graph
+  std::string unfused_reason;  // why not, when not
+  int64_t engine = -1;         // global engine index
+  bool tensor_core = false, runtime_compiled = false;
+  int64_t workspace = 0;
+  int tried = 0;               // candidates timed
+  double tuned_ms = 0;         // its median time while tuning
+  ladder::Json stats() const;
+};
+
+struct ConvSpec {
+  ConvShape shape;
+  Epilogue epilogue;
+  const Precision* precision;
+  bool nhwc;
+};
+
+std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
+                                    TuningWorkspace& ws, int candidates, cudaStream_t stream);
+
+// One convolution of the network: a tuned plan bound to its buffers and the shared workspace.
+class ConvLayer {
+ public:
+  ConvLayer(std::string name, ConvSpec spec, ConvIO io, std::shared_ptr<ConvPlan> plan)
+      : name_(std::move(name)), spec_(spec), io_(io), plan_(std::move(plan)) {}
+  void bind(void* workspace);  // (re)builds the variant pack
+  void run(cudnnHandle_t handle, cudaStream_t stream) const;
+  const std::string& name() const { return name_; }
+  const ConvSpec& spec() const { return spec_; }
+  const ConvPlan& plan() const { return *plan_; }
+
+ private:
+  std::string name_;
+  ConvSpec spec_;
+  ConvIO io_;
+  std::shared_ptr<ConvPlan> plan_;
+  std::unique_ptr<Desc> pack_;
+};
+
+}  // namespace rung

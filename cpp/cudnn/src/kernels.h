@@ -1,0 +1,21 @@
+// Our own CUDA, only where cuDNN has nothing fused for the job.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "common.h"
+
+namespace rung {
+
+// The contract's fp32 NCHW input to NHWC in the storage type, channels zero-padded from c to c_pad (done once at
+// build; the zero channels meet zero filter taps, so the result is unchanged).
+void nchw_to_nhwc(const float* src, void* dst, Storage storage, int n, int c, int h, int w, int c_pad,
+                  cudaStream_t stream);
+
+// y = [relu](y + bias[channel] [+ z]) in place: the epilogue of a convolution whose engine could not fuse it.
+// The channel of flat index i is (i / inner) % channels (inner = 1 for NHWC, H*W for NCHW).
+void bias_add_relu(void* y, const void* bias, const void* z, bool relu, Storage storage, size_t total, int channels,
+                   size_t inner, cudaStream_t stream);
+
+}  // namespace rung

@@ -1,0 +1,166 @@
+"""The bottom rung: ResNet-50 straight from cuDNN's graph API (convolutions with bias, residual add and ReLU fused),
+cuDNN pooling, a cuBLASLt classifier and a little CUDA of our own (cpp/cudnn). It is built on demand against the
+cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.cbuild import cmake_build
+from tiers.base import Cell, ExternalTier, Unavailable
+
+TOOLKIT = Path("/usr/local/cuda")
+
+
+def _wheel_dirs() -> list[Path]:
+    """Roots of the `nvidia` namespace package that PyTorch's CUDA wheels install into (nvidia/cudnn, nvidia/cu13...)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [Path(p) for p in nvidia.__path__]
+
+
+def _first(roots: list[Path], *patterns: str) -> Path | None:
+    for root in roots:
+        for pattern in patterns:
+            hits = sorted(root.glob(pattern))
+            if hits:
+                return hits[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    nvcc: Path
+    cudnn_include: Path
+    cudnn_library: Path
+    cublaslt_include: Path
+    cublaslt_library: Path
+    cudnn_version: str
+    cuda_version: str
+
+
+def _nvcc() -> Path | None:
+    """The toolkit's own nvcc first (a wrapper on PATH would hide where the toolkit is), then PATH's."""
+    for home in (os.environ.get("CUDA_HOME"), TOOLKIT):
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return Path(home) / "bin" / "nvcc"
+    found = shutil.which("nvcc")
+    return Path(found) if found else None
+
+
+def _cudnn_header_version(include: Path) -> str:
+    text = (include / "cudnn_version.h").read_text()
+    part = {k: re.search(rf"#define CUDNN_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCHLEVEL")}
+    if not all(part.values()):
+        raise Unavailable(f"cannot read the cuDNN version from {include / 'cudnn_version.h'}")
+    return ".".join(m.group(1) for m in part.values())
+
+
+@functools.lru_cache(maxsize=1)
+def toolchain() -> Toolchain:
+    """What the build needs, or Unavailable with exactly what is missing."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise Unavailable(f"nvcc not found (not in $CUDA_HOME/bin or {TOOLKIT / 'bin'}, not on PATH)")
+    if shutil.which("cmake") is None:
+        raise Unavailable("cmake not found on PATH")
+    wheels = _wheel_dirs()
+    cudnn_roots = [w / "cudnn" for w in wheels]
+    cudnn_h = _first(cudnn_roots, "include/cudnn.h")
+    if cudnn_h is None:
+        raise Unavailable("cuDNN headers (cudnn.h) not found in PyTorch's nvidia-cudnn wheel "
+                          f"({', '.join(map(str, cudnn_roots)) or 'no nvidia package installed'})")
+    cudnn_so = _first(cudnn_roots, "lib/libcudnn.so.9", "lib/libcudnn.so.*")
+    if cudnn_so is None:
+        raise Unavailable(f"libcudnn.so.9 not found next to {cudnn_h.parent}")
+    # cuBLASLt: PyTorch's wheel first (nvidia/cu13 or nvidia/cublas), else the CUDA toolkit of nvcc.
+    toolkit = nvcc.resolve().parent.parent
+    roots = [*wheels, toolkit, TOOLKIT]
+    lt_h = _first(roots, "*/include/cublasLt.h", "include/cublasLt.h", "targets/*/include/cublasLt.h")
+    lt_so = _first(roots, "*/lib/libcublasLt.so.*", "lib64/libcublasLt.so.*", "targets/*/lib/libcublasLt.so.*")
+    if lt_h is None:
+        raise Unavailable(f"cuBLASLt header (cublasLt.h) not found in the nvidia wheels or {toolkit}")
+    if lt_so is None:
+        raise Unavailable(f"libcublasLt.so not found in the nvidia wheels or {toolkit}")
+    release = re.search(r"release (\d+\.\d+)", subprocess.run([str(nvcc), "--version"], capture_output=True,
+                                                              text=True).stdout)
+    return Toolchain(nvcc, cudnn_h.parent, cudnn_so, lt_h.parent, lt_so, _cudnn_header_version(cudnn_h.parent),
+                     release.group(1) if release else "unknown")
+
+
+def _cuda_arch() -> str:
+    """LADDER_CUDA_ARCH if set, else the GPU's compute capability, else 90 (H100)."""
+    if os.environ.get("LADDER_CUDA_ARCH"):
+        return os.environ["LADDER_CUDA_ARCH"]
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}{minor}"
+    return "90"
+
+
+class CudnnTier(ExternalTier):
+    name = "cudnn"
+    summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
+    models = ("resnet50",)
+    cuda_graph = True
+
+    def availability(self, device: str) -> str | None:
+        if device != "cuda":
+            return "needs a CUDA GPU"
+        try:
+            toolchain()
+        except Unavailable as e:
+            return str(e)
+        return None
+
+    def build(self) -> Path:
+        """The rung's binary, built once per toolchain and source digest."""
+        import torch
+
+        tc = toolchain()
+        arch = _cuda_arch()
+        key = {"cudnn": tc.cudnn_version, "cuda": tc.cuda_version, "torch": torch.__version__, "arch": arch}
+        return cmake_build("cudnn", key, [
+            f"-DCMAKE_CUDA_COMPILER={tc.nvcc}",
+            f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
+            f"-DCUDNN_INCLUDE_DIR={tc.cudnn_include}",
+            f"-DCUDNN_LIBRARY={tc.cudnn_library}",
+            f"-DCUBLASLT_INCLUDE_DIR={tc.cublaslt_include}",
+            f"-DCUBLASLT_LIBRARY={tc.cublaslt_library}",
+        ], "ladder_cudnn")
+
+    def command(self, cell: Cell) -> list[str]:
+        return [str(self.build())]
+
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, reps: int = 20) -> list[dict]:
+        """Each distinct convolution of ResNet-50 (shape and fused epilogue) timed alone with the engine the rung
+        chose: shape, engine, median ms over `reps`, TFLOP/s, and how many layers share it."""
+        from harness.model import build_model, make_input, write_input, write_weights
+
+        with tempfile.TemporaryDirectory() as tmp:
+            weights, inputs = Path(tmp) / "weights.safetensors", Path(tmp) / "input.safetensors"
+            write_weights(build_model("resnet50"), weights)
+            write_input(make_input(batch, res), inputs)
+            proc = subprocess.run([str(self.build()), "--micro", "1", "--weights", str(weights), "--input",
+                                   str(inputs), "--batch", str(batch), "--res", str(res), "--dtype", dtype,
+                                   "--channels-last", "1" if channels_last else "0", "--device", "cuda",
+                                   "--option", f"micro-reps={reps}"], capture_output=True, text=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("@@micro "):
+                return json.loads(line[len("@@micro "):])
+        reason = [line[len("@@error "):] for line in proc.stdout.splitlines() if line.startswith("@@error ")]
+        raise RuntimeError("cudnn micro failed: " + (reason[0] if reason else proc.stderr.strip()[-2000:]))
+
+
+TIER = CudnnTier()
