@@ -41,7 +41,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def programs() -> dict[str, list[str]]:
-    """Both executables, built once per session (slow the first time: minutes against the torch headers)."""
+    """Both executables, built once into LADDER_CACHE and reused by later runs (the first build takes minutes)."""
     return {t.name: t.command(Cell(tier=t.name, device="cpu")) for t in TIERS}
 
 

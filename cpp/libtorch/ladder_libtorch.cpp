@@ -96,15 +96,16 @@ struct ResNetImpl : torch::nn::Module {
 TORCH_MODULE(ResNet);
 
 // Copies the weights file into the network by name; any name on one side only, or any shape that differs, is an
-// error (the contract leaves out batch-norm's `num_batches_tracked` counters, which inference never reads).
+// error, except batch-norm's `num_batches_tracked` counters: inference never reads them and the contract leaves
+// them out.
 void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, const std::string& model) {
   std::map<std::string, torch::Tensor> own;
   for (auto& p : net.named_parameters()) own[p.key()] = p.value();
-  for (auto& b : net.named_buffers())
-    if (b.key().find("num_batches_tracked") == std::string::npos) own[b.key()] = b.value();
+  for (auto& b : net.named_buffers()) own[b.key()] = b.value();
   std::vector<std::string> missing, unexpected, mismatched;
   for (auto& kv : own)
-    if (!weights.count(kv.first)) missing.push_back(kv.first);
+    if (!weights.count(kv.first) && kv.first.find("num_batches_tracked") == std::string::npos)
+      missing.push_back(kv.first);
   for (auto& kv : weights) {
     auto it = own.find(kv.first);
     if (it == own.end()) {
