@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
 from tiers.base import Cell, Tier, Unavailable  # noqa: F401  (re-exported: the interface)
@@ -11,12 +12,18 @@ LADDER_ORDER = ("eager", "torchscript", "compile", "onnxruntime", "tensorrt", "o
                 "libtorch", "torchscript-cpp", "triton", "cudnn")
 
 
+def _modules() -> list[str]:
+    """This package's rung modules, plus any named in LADDER_EXTRA_TIERS (comma list of importable modules:
+    rungs kept outside the package, such as the deliberately failing rungs of the test suite)."""
+    names = [f"tiers.{m.name}" for m in pkgutil.iter_modules(__path__)
+             if m.name != "base" and not m.name.endswith("_export")]
+    return names + [m for m in os.environ.get("LADDER_EXTRA_TIERS", "").split(",") if m]
+
+
 def all_tiers() -> dict[str, Tier]:
     found: dict[str, Tier] = {}
-    for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
-            continue
-        module = importlib.import_module(f"tiers.{info.name}")
+    for name in _modules():
+        module = importlib.import_module(name)
         for tier in getattr(module, "TIERS", [getattr(module, "TIER", None)]):
             if tier is not None:
                 found[tier.name] = tier

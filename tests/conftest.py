@@ -1,0 +1,33 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# A protocol small enough for the CPU: the measurement code paths are all exercised, just briefly.
+FAST = ["--iters", "3", "--min-time", "0", "--warmup-max", "2", "--warmup-s", "0", "--util-s", "0.05"]
+
+
+def ladder(out: Path, *args: str, extra_tiers: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    if extra_tiers:
+        env["LADDER_EXTRA_TIERS"] = "tests.failing_tiers"
+    return subprocess.run([sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--out", str(out),
+                           "--json", str(out / "ladder.json"), "--markdown", str(out / "ladder.md"), *FAST, *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(out: Path) -> list[dict]:
+    return json.loads((out / "ladder.json").read_text())["results"]
+
+
+@pytest.fixture(scope="session")
+def python_rungs(tmp_path_factory):
+    """One CPU ladder over the Python rungs, shared by the tests that read its output."""
+    out = tmp_path_factory.mktemp("python-rungs")
+    proc = ladder(out, "--tiers", "eager,torchscript,compile,onnxruntime", "--batch", "2", "--res", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -1,0 +1,44 @@
+"""Rungs that fail on purpose, loaded through LADDER_EXTRA_TIERS by the isolation tests: a real segfault, a
+Python exception, a hang past the timeout, and a rung that computes a different function."""
+import ctypes
+import time
+
+import torch
+
+from tiers.base import Built, PythonTier, place_model
+
+
+class Segfault(PythonTier):
+    name = "test-segfault"
+
+    def build(self, model, example, cell):
+        ctypes.string_at(0)  # dereferences NULL: SIGSEGV in the child
+
+
+class Raises(PythonTier):
+    name = "test-raises"
+
+    def build(self, model, example, cell):
+        raise RuntimeError("deliberate failure in build")
+
+
+class Hangs(PythonTier):
+    name = "test-hangs"
+
+    def build(self, model, example, cell):
+        time.sleep(3600)
+
+
+class WrongFunction(PythonTier):
+    """The seed paper's mistake in miniature: a net that skips its last ReLU-free layer's bias."""
+
+    name = "test-wrong"
+
+    def build(self, model, example, cell):
+        net = place_model(model, cell)
+        with torch.no_grad():
+            net.fc.bias.zero_()
+        return Built(forward=net)
+
+
+TIERS = [Segfault(), Raises(), Hangs(), WrongFunction()]

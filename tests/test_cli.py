@@ -1,0 +1,42 @@
+"""Bad input gets one clear line naming the valid choices."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def harness(*args):
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.parametrize("args, valid", [
+    (["ladder", "--dtype", "fp64"], ["fp32", "tf32", "fp16", "bf16"]),
+    (["ladder", "--tiers", "eager,nope"], ["eager", "torchscript", "compile", "onnxruntime"]),
+    (["ladder", "--compile-mode", "fast"], ["default", "reduce-overhead", "max-autotune"]),
+    (["ladder", "--device", "tpu"], ["cuda", "cpu"]),
+    (["ladder", "--cuda-graph", "maybe"], ["off", "on", "both"]),
+    (["micro", "--tier", "eager"], ["--tier"]),
+])
+def test_bad_values_name_the_valid_choices(args, valid):
+    proc = harness(*args)
+    assert proc.returncode == 2
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "invalid choice" in error and args[-1].split(",")[-1] in error
+    assert all(v in error for v in valid), error
+
+
+def test_bad_model_and_batch():
+    assert "invalid choice" in harness("ladder", "--model", "resnet9").stderr.splitlines()[-1]
+    assert "0 must be a positive integer" in harness("ladder", "--batch", "1,0").stderr.splitlines()[-1]
+
+
+def test_tiers_lists_every_rung_with_availability():
+    proc = harness("tiers")
+    assert proc.returncode == 0
+    for name in ("eager", "torchscript", "compile", "onnxruntime"):
+        assert name in proc.stdout
+    assert "available" in proc.stdout

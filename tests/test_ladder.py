@@ -1,0 +1,79 @@
+"""The ladder end to end on the CPU: real rungs in real child processes, real reports."""
+import json
+import signal
+
+from tests.conftest import ladder, records
+
+
+def test_python_rungs_pass_parity(python_rungs):
+    recs = records(python_rungs)
+    assert {r["tier"] for r in recs} == {"eager", "torchscript", "compile", "onnxruntime"}
+    for r in recs:
+        assert r["status"] == "ok", (r["tier"], r.get("reason"))
+        assert r["parity"]["ok"] and r["parity"]["rel_err"] < 1e-4 and r["parity"]["cosine"] > 0.99999
+        assert r["latency_ms"]["n"] == len(r["latency_samples_ms"]) >= 3
+        assert r["throughput_img_s"] == r["batch"] / r["latency_ms"]["median"] * 1e3
+
+
+def test_json_schema(python_rungs):
+    doc = json.loads((python_rungs / "ladder.json").read_text())
+    assert doc["schema_version"] == 1
+    for key in ("torch", "cudnn", "triton", "onnxruntime", "gpu", "cpu"):
+        assert key in doc["environment"]
+    assert set(doc["definitions"]) >= {"latency_ms", "memory", "cold", "parity", "e2e_ms", "host_overhead_us"}
+    for r in doc["results"]:
+        for key in ("tier", "batch", "res", "dtype", "status", "parity", "latency_ms", "throughput_img_s", "cold",
+                    "memory", "host_overhead_us", "pipelined", "tflops", "build_stats", "stream"):
+            assert key in r, key
+        assert r["dtype"] in ("fp32", "tf32", "fp16", "bf16")
+        assert {"median", "p90", "p99", "min", "cv"} <= set(r["latency_ms"])
+        assert r["cold"]["time_to_first_result_s"] >= r["cold"]["first_result_s"] > 0
+        assert r["memory"]["rss_peak_bytes"] > 0
+        assert r["tflops"]["flops_per_forward"] > 0
+
+
+def test_compile_reports_compiler_facts(python_rungs):
+    facts = next(r for r in records(python_rungs) if r["tier"] == "compile")["build_stats"]
+    assert facts["graphs"] >= 1 and facts["graph_breaks"] == 0
+    assert facts["guards"] > 0 and facts["guard_check_us"] > 0
+    assert facts["recompiles_on_batch_change"] >= 0 and facts["batch_change"] == "2 -> 3"
+
+
+def test_markdown_report(python_rungs):
+    md = (python_rungs / "ladder.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| rung | batch | res | dtype | status | median ms")
+    assert len(table) == 1 + 4  # header + one row per cell
+    assert any(line.startswith("| compile(default) | 2 | 32 | fp32 | ok |") for line in table)
+
+
+def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
+    proc = ladder(tmp_path, "--tiers", "test-segfault,test-raises,test-hangs,test-wrong,eager", "--batch", "1",
+                  "--res", "32", "--timeout", "60", extra_tiers=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by = {r["tier"]: r for r in records(tmp_path)}
+    assert by["test-segfault"]["status"] == "crashed"
+    assert signal.Signals.SIGSEGV.name in by["test-segfault"]["reason"]
+    assert by["test-raises"]["status"] == "crashed" and "deliberate failure" in by["test-raises"]["reason"]
+    assert by["test-hangs"]["status"] == "timeout" and "build" in by["test-hangs"]["reason"]
+    assert by["test-wrong"]["status"] == "parity-fail" and by["test-wrong"].get("latency_ms") is None
+    assert by["eager"]["status"] == "ok"
+    # every cell was recorded as it finished, not only at the end
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 5
+
+
+def test_resume_skips_recorded_cells(tmp_path):
+    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+    first = (tmp_path / "results.jsonl").read_text().splitlines()
+    proc = ladder(tmp_path, "--tiers", "eager,torchscript", "--batch", "1", "--res", "32")
+    assert proc.returncode == 0 and "1 already recorded" in proc.stdout
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert lines[0] == first[0] and len(lines) == 2
+    assert [r["tier"] for r in records(tmp_path)] == ["eager", "torchscript"]
+
+
+def test_unavailable_rung_is_reported_and_skipped_cells_say_why(tmp_path):
+    proc = ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32", "--dtype", "fp32,bf16")
+    assert proc.returncode == 0
+    bf16 = next(r for r in records(tmp_path) if r["dtype"] == "bf16")
+    assert bf16["status"] == "skipped" and "only fp32" in bf16["reason"]

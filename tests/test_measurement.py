@@ -1,0 +1,59 @@
+"""The protocol's statistics and the parity verdicts, on real numbers."""
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from harness.parity import TOLERANCES, compare
+from harness.stats import summarize
+
+
+def test_summary_matches_definitions():
+    rng = np.random.default_rng(0)
+    samples = list(rng.lognormal(0, 0.3, 501))
+    s = summarize(samples)
+    assert s["median"] == statistics.median(samples)
+    assert s["min"] == min(samples) and s["max"] == max(samples) and s["n"] == 501
+    assert s["cv"] == pytest.approx(statistics.stdev(samples) / statistics.mean(samples))
+    ordered = sorted(samples)
+    assert ordered[449] <= s["p90"] <= ordered[451]
+    assert ordered[494] <= s["p99"] <= ordered[496]
+    assert summarize([]) is None
+
+
+def logits(seed=0, batch=16):
+    return torch.randn(batch, 1000, generator=torch.Generator().manual_seed(seed)) * 10
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_parity_accepts_rounding_of_the_dtype(dtype):
+    ref = logits()
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
+    out = ref.to(torch_dtype).float()
+    assert compare(out, ref, dtype)["ok"]
+
+
+def test_parity_rejects_a_different_function():
+    ref = logits()
+    out = ref.clone()
+    out[:, 0] += 5.0  # one class shifted: the kind of error a missing bias produces
+    verdict = compare(out, ref, "bf16")
+    assert not verdict["ok"] and "rel err" in verdict["reason"]
+
+
+def test_parity_rejects_nan_and_wrong_shape():
+    ref = logits()
+    out = ref.clone()
+    out[3, 7] = float("nan")
+    assert not compare(out, ref, "fp32")["ok"]
+    assert not compare(ref[:, :10], ref, "fp32")["ok"]
+
+
+def test_top1_checked_on_decisive_rows_only():
+    ref = logits(batch=4)
+    ref[0, 0] = ref[0].max() + 50  # a decisive row
+    out = ref.clone()
+    out[0, 0] = ref[0, 1] - 1  # flips the decisive row's top-1
+    verdict = compare(out, ref, "bf16")
+    assert not verdict["ok"] and verdict["top1_agreement_decisive"] < 1
