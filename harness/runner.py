@@ -207,6 +207,8 @@ def run_cell(run: RunDir, cell: Cell, protocol: Protocol, on_phase: Callable[[st
                 cell = dataclasses.replace(cell, options=cell.options + ((k, v),))
     except Unavailable as e:
         return {**record, "status": "unavailable", "reason": str(e)}
+    except Exception as e:  # preparing the rung's files failed: recorded like any other failure of the cell
+        return {**record, "status": "error", "reason": f"preparing {cell.tier}: {type(e).__name__}: {e}"}
     argv = program + [
         "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
         "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)),

@@ -5,6 +5,7 @@ Run as `python -m harness.worker --tier NAME --batch ... --result R.json ...` (t
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -112,6 +113,11 @@ def _median(v: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
+def pipelined_iters(kv: dict[str, str], latency_ms: list[float]) -> int:
+    """At least --pipelined-iters forwards, and enough to last --min-time-s at the measured latency."""
+    return max(int(kv["pipelined-iters"]), math.ceil(float(kv["min-time-s"]) * 1e3 / _median(latency_ms)))
+
+
 def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     cell = cell_from_args(kv, options)
     tier = get_tier(cell.tier)
@@ -181,7 +187,7 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     result["host"] = {"samples_us": host}
 
     phase("pipelined")
-    n = int(kv["pipelined-iters"])
+    n = pipelined_iters(kv, lat)
     clock.start()
     for _ in range(n):
         forward(example)

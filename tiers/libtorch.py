@@ -78,7 +78,7 @@ class TorchScriptCpp(LibTorch):
                               cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-3:]
-            raise Unavailable("TorchScript export failed: " + " | ".join(tail))
+            raise RuntimeError("TorchScript export failed: " + " | ".join(tail))
         facts = json.loads(proc.stdout.strip().splitlines()[-1])
         return {"ts-path": str(out), "export-s": f"{facts['torchscript_export_s']:.3f}"}
 

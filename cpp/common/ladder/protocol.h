@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <cstdio>
@@ -196,7 +197,8 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   Json hostj = Json::object(); hostj["samples_us"] = Json(host); result["host"] = hostj;
 
   phase("pipelined");
-  int n = a.i("pipelined-iters");
+  // At least --pipelined-iters forwards, and enough to last --min-time-s at the measured latency.
+  int n = std::max(a.i("pipelined-iters"), (int)std::ceil(a.d("min-time-s") * 1e3 / median_of(lat)));
   timer.start();
   for (int i = 0; i < n; ++i) rung->forward();
   timer.stop();
