@@ -72,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--warmup-max", type=_positive_int, default=200, help="most warm-up iterations")
     lad.add_argument("--warmup-s", type=float, default=3.0, help="most warm-up seconds (unless still under 10 calls)")
     lad.add_argument("--util-s", type=float, default=2.0, help="seconds of the utilisation pass")
+    lad.add_argument("--e2e-iters", type=_positive_int, default=20, help="iterations of each end-to-end variant")
     lad.add_argument("--timeout", type=float, default=900.0, help="seconds before a cell is killed and recorded")
     lad.add_argument("--warm-cache", action="store_true",
                      help="share Inductor/Triton caches between cells (default: fresh per cell, a true cold start)")
@@ -159,7 +160,8 @@ def cmd_ladder(args) -> int:
         console.print("[red]--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu[/]")
         return 2
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
-                        min_time_s=args.min_time, util_s=args.util_s, timeout_s=args.timeout)
+                        min_time_s=args.min_time, util_s=args.util_s, e2e_iters=args.e2e_iters,
+                        timeout_s=args.timeout)
     run = RunDir(args.out or Path("runs") / f"{args.model}-{device}", args.model, device)
     meta_path = run.path / "run.json"
     if meta_path.exists():
