@@ -3,6 +3,7 @@ speed. Runs the rung's binary through the child contract exactly as the runner d
 
     python3 bench/check_cudnn.py [--parity] [--sanitize] [--micro] [--time] [--autotune K]
 
+Sections run in this order: parity, time, micro, sanitize.
 --parity:   batch 1, 7, 32 x res 64, 224 in fp32 and bf16 (NHWC; CUDA graph at res 224), plus fp32 NCHW, tf32 and
             fp16 at batch 7, against eager fp32 with TF32 off: max abs error / max |ref|, cosine, top-1 agreement.
             Engines are tuned over --autotune candidates (default 2: parity, not speed).
@@ -10,7 +11,8 @@ speed. Runs the rung's binary through the child contract exactly as the runner d
 --micro:    each distinct convolution alone at batch 32, res 224, bf16 (tiers/cudnn.py's micro()).
 --time:     bf16 res 224 latency (median of the latency phase) at batch 1 (eager and CUDA graph), 32 and 256 (graph),
             engines tuned over the rung's default candidates.
---quick:    instead of --parity, three cells: fp32 NHWC b1 r64, bf16 b7 r224 in a CUDA graph, fp32 NCHW b7 r224.
+--quick:    instead of --parity, five cells: fp32 NHWC b1 r64, fp32 b32 r224 NHWC (CUDA graph) and NCHW, bf16 and
+            tf32 b7 r224 in a CUDA graph.
 No flag: all four. Rows print as they finish; whatever would start after --budget-s seconds is skipped.
 """
 from __future__ import annotations
@@ -84,9 +86,10 @@ class Runner:
         top1 = (o.argmax(1) == ref.argmax(1)).double().mean().item()
         s = r["build_stats"]
         lat = statistics.median(r["latency"]["samples_ms"])
+        host = statistics.median(r["host"]["samples_us"])
         print(f"{label} | rel_err {rel:.2e} cos {cos:.6f} top1 {top1:.3f} | fused {s['convs_fused']}/"
               f"{s['convs_total']} (+add {s['convs_fused_with_residual']}) | build {r['cold']['build_s']:.1f}s "
-              f"(tune {s['autotune_s']:.1f}s) wall {wall:.0f}s | latency {lat:.3f} ms", flush=True)
+              f"(tune {s['autotune_s']:.1f}s) wall {wall:.0f}s | latency {lat:.3f} ms, host {host:.0f} us", flush=True)
         reasons = sorted({c.get("unfused_reason", "")[:300] for c in s["convs"] if not c["fused"]})
         for reason in reasons[:2]:
             print(f"    unfused: {reason}", flush=True)
@@ -120,7 +123,8 @@ def main() -> None:
             cells = [(b, r, d, True, r == 224) for d in ("fp32", "bf16") for r in (64, 224) for b in (1, 7, 32)]
             cells += [(7, 224, "fp32", False, False), (7, 224, "tf32", True, True), (7, 224, "fp16", True, True)]
         elif a.quick:
-            cells = [(1, 64, "fp32", True, False), (7, 224, "bf16", True, True), (7, 224, "fp32", False, False)]
+            cells = [(1, 64, "fp32", True, False), (32, 224, "fp32", True, True), (32, 224, "fp32", False, False),
+                     (7, 224, "bf16", True, True), (7, 224, "tf32", True, True)]
         for i, cell in enumerate(cells):
             if in_budget(f"parity {cell}"):
                 r, _ = runner.run(*cell, SHORT, tune)
@@ -128,6 +132,14 @@ def main() -> None:
                     stats = {k: v for k, v in r["build_stats"].items() if k != "convs"}
                     print("    build_stats:", json.dumps(stats)[:1500], "| memory:", json.dumps(r["memory"]),
                           flush=True)
+        if a.time or everything:
+            for batch, graph in ((1, False), (1, True), (32, True), (256, True)):
+                if in_budget(f"time b{batch} graph{int(graph)}"):
+                    runner.run(batch, 224, "bf16", True, graph, SHORT)
+        if (a.micro or everything) and in_budget("micro"):
+            for row in TIER.micro(32, 224, "bf16", True):
+                print(f"micro {row['shape']:34} {row['epilogue']:13} x{row['count']:<2} engine {row['engine']:<5} "
+                      f"fused {int(row['fused'])} {row['median_ms']:.4f} ms {row['tflops']:.1f} TFLOP/s", flush=True)
         if (a.sanitize or everything) and in_budget("sanitizer"):
             sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
             if not Path(sanitizer).exists():
@@ -139,14 +151,6 @@ def main() -> None:
                     text = proc.stdout + proc.stderr
                     summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
                     print(f"compute-sanitizer memcheck: {summary or text[-1500:]}", flush=True)
-        if (a.micro or everything) and in_budget("micro"):
-            for row in TIER.micro(32, 224, "bf16", True):
-                print(f"micro {row['shape']:34} {row['epilogue']:13} x{row['count']:<2} engine {row['engine']:<5} "
-                      f"fused {int(row['fused'])} {row['median_ms']:.4f} ms {row['tflops']:.1f} TFLOP/s", flush=True)
-        if a.time or everything:
-            for batch, graph in ((1, False), (1, True), (32, True), (256, True)):
-                if in_budget(f"time b{batch} graph{int(graph)}"):
-                    runner.run(batch, 224, "bf16", True, graph, SHORT)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,14 @@ bool allowed(const EngineInfo& e, const Precision& p) {
   return !(p.storage == Storage::F32 && !p.tf32 && e.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE));
 }
 
+// The epilogue by our kernel, in place on y, for a convolution run alone.
+void epilogue_kernel(const ConvSpec& spec, const ConvIO& io, cudaStream_t stream) {
+  const ConvShape& s = spec.shape;
+  size_t plane = size_t(s.p()) * s.q();
+  bias_add_relu(io.y, io.bias, residual(spec.epilogue) ? io.z : nullptr, relu(spec.epilogue),
+                spec.precision->storage, size_t(s.n) * s.k * plane, s.k, spec.nhwc ? 1 : plane, stream);
+}
+
 Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* workspace) {
   std::vector<int64_t> uids = {kX, kW, kY};
   std::vector<void*> ptrs = {const_cast<void*>(io.x), const_cast<void*>(io.w), io.y};
@@ -210,7 +218,8 @@ Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* work
 }
 
 // Times up to `candidates` allowed engine configurations of the graph (the heuristics' order, then cuDNN's
-// fallback list if none of those ran) and keeps the fastest. Throws with the reasons if none runs.
+// fallback list if none of those ran) and keeps the fastest; unfused, the time includes our epilogue kernel.
+// Throws with the reasons if none runs.
 std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec, bool fused, const ConvIO& io,
                                      TuningWorkspace& ws, int candidates, cudaStream_t stream) {
   auto best = std::make_shared<ConvPlan>();
@@ -248,7 +257,10 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       if (size_t(need) > ws.limit()) continue;
       Desc pack = variant_pack(spec, fused, io, ws.ensure(size_t(need)));
       if (cudnnBackendExecute(handle, plan->get(), pack.get()) != CUDNN_STATUS_SUCCESS) continue;
-      double ms = median_ms(stream, [&] { CUDNN_CHECK(cudnnBackendExecute(handle, plan->get(), pack.get())); }, 5, 1);
+      double ms = median_ms(stream, [&] {
+        CUDNN_CHECK(cudnnBackendExecute(handle, plan->get(), pack.get()));
+        if (!fused) epilogue_kernel(spec, io, stream);
+      }, 5, 1);
       ++best->tried;
       if (best->plan && ms >= best->tuned_ms) continue;
       best->plan = std::move(plan);
@@ -323,25 +335,35 @@ ladder::Json ConvPlan::stats() const {
   j["workspace_bytes"] = static_cast<long long>(workspace);
   j["candidates_timed"] = tried;
   j["tuned_ms"] = tuned_ms;
+  j["fused_ms"] = fused_ms >= 0 ? ladder::Json(fused_ms) : ladder::Json();  // null: no engine for that variant
+  j["unfused_ms"] = unfused_ms >= 0 ? ladder::Json(unfused_ms) : ladder::Json();
   return j;
 }
 
 std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
                                     TuningWorkspace& ws, int candidates, cudaStream_t stream) {
+  // Both ways, timed: a fused engine can be slower than the best plain convolution plus our epilogue kernel
+  // (strict fp32 has few fusing engines), and some graphs have no fusing engine at all.
+  std::shared_ptr<ConvPlan> fused, alone;
   std::string why;
   try {
-    return tune_graph(handle, spec, true, io, ws, candidates, stream);
-  } catch (const std::exception& e) {  // no engine fuses this epilogue: run the convolution alone
+    fused = tune_graph(handle, spec, true, io, ws, candidates, stream);
+  } catch (const std::exception& e) {
     why = e.what();
   }
   try {
-    auto plan = tune_graph(handle, spec, false, io, ws, candidates, stream);
-    plan->unfused_reason = why;
-    return plan;
+    alone = tune_graph(handle, spec, false, io, ws, candidates, stream);
   } catch (const std::exception& e) {
-    throw std::runtime_error("no cuDNN engine runs conv " + spec.shape.str() + " in " + spec.precision->name +
-                             ": " + e.what());
+    if (!fused)
+      throw std::runtime_error("no cuDNN engine runs conv " + spec.shape.str() + " in " + spec.precision->name +
+                               ": " + e.what());
   }
+  const double fused_ms = fused ? fused->tuned_ms : -1, alone_ms = alone ? alone->tuned_ms : -1;
+  auto chosen = fused && (!alone || fused_ms <= alone_ms) ? fused : alone;
+  if (!chosen->fused) chosen->unfused_reason = fused ? "faster unfused" : why;
+  chosen->fused_ms = fused_ms;
+  chosen->unfused_ms = alone_ms;
+  return chosen;
 }
 
 void ConvLayer::bind(void* workspace) {
@@ -350,11 +372,7 @@ void ConvLayer::bind(void* workspace) {
 
 void ConvLayer::run(cudnnHandle_t handle, cudaStream_t stream) const {
   CUDNN_CHECK(cudnnBackendExecute(handle, plan_->plan->get(), pack_->get()));
-  if (plan_->fused) return;
-  const ConvShape& s = spec_.shape;
-  size_t plane = size_t(s.p()) * s.q();
-  bias_add_relu(io_.y, io_.bias, residual(spec_.epilogue) ? io_.z : nullptr, relu(spec_.epilogue),
-                spec_.precision->storage, size_t(s.n) * s.k * plane, s.k, spec_.nhwc ? 1 : plane, stream);
+  if (!plan_->fused) epilogue_kernel(spec_, io_, stream);
 }
 
 }  // namespace rung

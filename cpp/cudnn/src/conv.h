@@ -1,7 +1,7 @@
 // A convolution with its epilogue as one cuDNN graph (backend API):
 //   conv -> + bias [-> + residual] [-> relu],
 // with fp32 virtual intermediates, run by the engine configuration that measured fastest among cuDNN's heuristic
-// candidates. If no engine fuses the epilogue, the convolution runs alone and bias_add_relu() applies it.
+// candidates; or the convolution alone followed by bias_add_relu(), where that measured faster or nothing fuses.
 #pragma once
 #include <memory>
 #include <string>
@@ -58,12 +58,13 @@ struct ConvPlan {
   std::vector<Desc> keep;      // graph, tensors and engine config, alive as long as the plan
   std::unique_ptr<Desc> plan;  // finalized execution plan
   bool fused = false;          // epilogue inside the cuDNN graph
-  std::string unfused_reason;  // why not, when not
+  std::string unfused_reason;  // why not, when not: no fusing engine, or slower
   int64_t engine = -1;         // global engine index
   bool tensor_core = false, runtime_compiled = false;
   int64_t workspace = 0;
   int tried = 0;               // candidates timed
-  double tuned_ms = 0;         // its median time while tuning
+  double tuned_ms = 0;         // its median time while tuning (unfused: with our epilogue kernel)
+  double fused_ms = -1, unfused_ms = -1;  // the best of each variant; -1: no engine runs that variant
   ladder::Json stats() const;
 };
 
