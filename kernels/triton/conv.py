@@ -132,12 +132,15 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
     """Fold an eval-mode BatchNorm2d (`bn`) into the convolution's [COUT, CIN, KH, KW] `weight` and `bias`:
     bn(conv(x)) = conv(x; weight * s) + (bias - mean) * s + beta, with s = gamma / sqrt(var + eps). Folded in fp64,
     rounded once to `dtype`."""
-    w = weight.detach().double()
-    b = bias.detach().double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    def f64(t):  # folding happens on the host, wherever the model lives
+        return t.detach().to("cpu", torch.float64)
+
+    w = f64(weight)
+    b = f64(bias) if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
     if bn is not None:
-        s = bn.weight.detach().double() / torch.sqrt(bn.running_var.double() + bn.eps)
+        s = f64(bn.weight) / torch.sqrt(f64(bn.running_var) + bn.eps)
         w = w * s[:, None, None, None]
-        b = (b - bn.running_mean.double()) * s + bn.bias.detach().double()
+        b = (b - f64(bn.running_mean)) * s + f64(bn.bias)
     cout, cin, kh, kw = w.shape
     packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
     return PackedConv(packed.to(device, dtype).contiguous(), b.to(device, torch.float32).contiguous(),
