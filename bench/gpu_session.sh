@@ -1,23 +1,40 @@
 #!/usr/bin/env bash
-# The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min). All groups write into
-# one run directory (cells are recorded as they finish; a group rerun skips recorded cells), and each group copies
-# the merged JSON + markdown to $OUT. Usage: bash bench/gpu_session.sh GROUP   (GROUP: python1 python2 cpp hand)
-set -euo pipefail
+# The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
+# All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
+# by writing the merged JSON + markdown of everything recorded so far to $OUT.
+#   bash bench/gpu_session.sh GROUP      GROUP: python | compile | cpp-cudnn | triton
+set -uo pipefail
 RUN=${RUN:-runs/gpu}
 OUT=${OUT:-/tmp/out}
-Q="--channels-last --warmup-s 2 --util-s 1 --e2e-iters 10 --out $RUN"
-ladder() { COLUMNS=200 python3 -m harness ladder $Q --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" "$@"; }
+START=$(date +%s)
+# The protocol of the committed results: every cell in a fresh process; short passes so that the whole session fits
+# the device budget (latency: >= 30 iterations and >= 0.5 s; median over hundreds of samples at small batches).
+Q="--channels-last --warmup-s 1 --min-time 0.5 --iters 30 --util-s 0.5 --e2e-iters 5 --out $RUN"
+ladder() {  # stops itself (Ctrl-C: cells already recorded stay) so that the call ends inside the device's limit
+  local left=$((570 - ($(date +%s) - START)))
+  [ "$left" -gt 20 ] || { echo "no time left for: $*"; return 0; }
+  COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder $Q "$@"
+}
 case "$1" in
-  python1)  # the Python rungs of the ladder issue, fp32 / tf32 / bf16 at batch 1, 32, 256
-    ladder --tiers eager,torchscript,onnxruntime --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
-  python2)  # torch.compile default (cold, fresh cache per cell), then the independent plain-loop check
+  python)     # the ladder issue's Python rungs (compile is its own group), plus eager in a CUDA graph
+    ladder --tiers eager,torchscript,onnxruntime --batch 1,32,256 --dtype fp32,tf32,bf16
+    ladder --tiers eager --cuda-graph on --batch 1,32,256 --dtype bf16 ;;
+  compile)    # torch.compile default, cold (fresh caches per cell); then the independent plain-loop check
     ladder --tiers compile --batch 1,32,256 --dtype fp32,tf32,bf16
-    python3 bench/plain_loop.py --batch 1,32,256 --dtype fp32,tf32,bf16 --channels-last \
-      --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json" ;;
-  cpp)      # LibTorch C++ rungs beside eager
-    ladder --tiers eager,libtorch,torchscript-cpp --batch 1,32,256 --dtype fp32,bf16 ;;
-  hand)     # hand-written rungs, with and without CUDA graphs, beside eager and compile (reduce-overhead too)
-    ladder --tiers eager,cudnn,triton --batch 1,32,256 --dtype fp32,bf16 --cuda-graph both
-    ladder --tiers compile --compile-mode reduce-overhead --batch 1,32,256 --dtype bf16 ;;
-  *) echo "unknown group $1; valid: python1 python2 cpp hand" >&2; exit 2 ;;
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32,256 \
+      --dtype fp32,bf16 --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json" ;;
+  cpp-cudnn)  # LibTorch C++ rungs and the hand-written cuDNN rung (plain and in a CUDA graph)
+    ladder --tiers libtorch,torchscript-cpp --batch 1,32,256 --dtype fp32,bf16
+    ladder --tiers cudnn --batch 1,32,256 --dtype fp32,bf16 --cuda-graph both ;;
+  triton)     # hand-written Triton (autotune cache shared between its cells), compile reduce-overhead, micro
+    ladder --tiers triton --batch 1,32,256 --dtype bf16 --cuda-graph both --warm-cache
+    ladder --tiers compile --compile-mode reduce-overhead --batch 1,32,256 --dtype bf16
+    python3 -m harness micro --tier cudnn --batch 256 --res 224 --dtype bf16 --channels-last \
+      --json "$OUT/micro_cudnn.json" --markdown "$OUT/micro_cudnn.md"
+    timeout -k 10 $((570 - ($(date +%s) - START))) python3 -m harness micro --tier triton --batch 256 --res 224 \
+      --dtype bf16 --channels-last --json "$OUT/micro_triton.json" --markdown "$OUT/micro_triton.md" ;;
+  *) echo "unknown group $1; valid: python compile cpp-cudnn triton" >&2; exit 2 ;;
 esac
+python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
+cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

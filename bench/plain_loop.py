@@ -50,9 +50,10 @@ def main() -> None:
     for dtype in args.dtype.split(","):
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
         model = build_model(args.model).to("cuda", DTYPES[dtype]).to(memory_format=fmt)
-        compiled = torch.compile(model)
         for batch in map(int, args.batch.split(",")):
             x = torch.randn(batch, 3, args.res, args.res, device="cuda", dtype=DTYPES[dtype]).to(memory_format=fmt)
+            torch._dynamo.reset()  # one static compile per batch, as each ladder cell compiles in its own process
+            compiled = torch.compile(model)
             with torch.inference_mode():
                 for tier, fn in (("eager", model), ("compile", compiled)):
                     rows.append({"tier": tier, "batch": batch, "dtype": dtype, "median_ms": time_forward(fn, x)})

@@ -48,14 +48,20 @@ def write_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 def load_model(name: str, weights: Path) -> torch.nn.Module:
-    """The model with the run's weights file loaded (how every Python rung starts)."""
+    """The model with the run's weights file loaded (how every Python rung starts). Built on the meta device and
+    filled by assignment, so no time goes into a random initialisation that the file overwrites."""
     from safetensors.torch import load_file
 
-    model = _skeleton(name)
-    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
-    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    with torch.device("meta"):
+        model = _skeleton(name)
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
+    counters = [k for k in missing if k.endswith("num_batches_tracked")]
+    missing = [k for k in missing if k not in counters]
     if missing or unexpected:
         raise ValueError(f"weights file does not match {name}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for key in counters:  # not in the file (the contract leaves them out); unused in eval mode
+        module, _, buffer = key.rpartition(".")
+        setattr(model.get_submodule(module), buffer, torch.zeros((), dtype=torch.long))
     return model.eval()
 
 

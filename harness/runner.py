@@ -248,10 +248,11 @@ def run_cell(run: RunDir, cell: Cell, protocol: Protocol, on_phase: Callable[[st
             proc.wait(timeout=protocol.timeout_s)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             timed_out = True
-        finally:
+        finally:  # on a timeout, and on Ctrl-C in the parent: the child runs in its own session, so end it here
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             sampler.stop.set()
             sampler.join()
             reader.join(timeout=5)
