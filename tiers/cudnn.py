@@ -1,6 +1,9 @@
 """The bottom rung: ResNet-50 straight from cuDNN's graph API (convolutions with bias, residual add and ReLU fused),
 cuDNN pooling, a cuBLASLt classifier and a little CUDA of our own (cpp/cudnn). It is built on demand against the
-cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc."""
+cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc.
+
+The binary also takes `--option autotune=K` (engine configurations timed per distinct convolution, default 8) and
+`--option workspace-mb=M` (the most workspace one candidate may use, default 512)."""
 from __future__ import annotations
 
 import functools
