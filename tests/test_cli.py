@@ -40,3 +40,12 @@ def test_tiers_lists_every_rung_with_availability():
     for name in ("eager", "torchscript", "compile", "onnxruntime"):
         assert name in proc.stdout
     assert "available" in proc.stdout
+
+
+def test_a_rung_that_fails_to_import_is_listed_unavailable():
+    proc = subprocess.run([sys.executable, "-m", "harness", "tiers"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "LADDER_EXTRA_TIERS": "tests.no_such_rung",
+                               "COLUMNS": "300"})
+    assert proc.returncode == 0
+    assert "no-such-rung" in proc.stdout and "failed to import" in proc.stdout
+    assert "eager" in proc.stdout

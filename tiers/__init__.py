@@ -20,10 +20,26 @@ def _modules() -> list[str]:
     return names + [m for m in os.environ.get("LADDER_EXTRA_TIERS", "").split(",") if m]
 
 
+class Broken(Tier):
+    """Stands in for a rung module that fails to import: listed, and recorded as unavailable with the error."""
+
+    def __init__(self, module: str, error: Exception) -> None:
+        self.name = module.rpartition(".")[2].replace("_", "-")
+        self.summary = f"(module {module} does not import)"
+        self.reason = f"{module} failed to import: {type(error).__name__}: {error}"
+
+    def availability(self, device: str) -> str | None:
+        return self.reason
+
+
 def all_tiers() -> dict[str, Tier]:
     found: dict[str, Tier] = {}
     for name in _modules():
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # one broken rung must not take the ladder down
+            found[Broken(name, e).name] = Broken(name, e)
+            continue
         for tier in getattr(module, "TIERS", [getattr(module, "TIER", None)]):
             if tier is not None:
                 found[tier.name] = tier
