@@ -31,7 +31,9 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workd
     """Exports once per (model, dtype, layout, res) into `workdir`; returns the path and export facts."""
     placed = place_model(model, cell).cpu() if cell.dtype in ("fp32", "tf32") else place_model(model, cell)
     module = NHWCInput(placed) if cell.channels_last else placed
-    x = bound_input(example, cell)[:1].to(next(placed.parameters()).device)
+    # Two samples, not one: torch.export specialises a size-1 dimension, which for the NHWC input contradicts the
+    # dynamic batch axis ("Invalid ranges [2:1]"); the exported graph still takes any batch from 1 up.
+    x = bound_input(example, cell)[:1].to(next(placed.parameters()).device).repeat(2, 1, 1, 1)
     digest = hashlib.sha1(repr((cell.model, cell.dtype, cell.channels_last, cell.res)).encode()).hexdigest()[:10]
     path = Path(workdir) / f"{cell.model}-{digest}.onnx"
     t = time.perf_counter()

@@ -42,6 +42,10 @@ class OnnxRuntime(PythonTier):
                 "use_tf32": "1" if cell.dtype == "tf32" else "0", "cudnn_conv_algo_search": "EXHAUSTIVE",
                 "prefer_nhwc": "1" if cell.channels_last else "0"}
 
+    def providers(self, cell, stream) -> list:
+        """The execution providers in ORT's order of preference (a variant rung may put another first)."""
+        return [(self.provider, self.provider_options(cell, stream)), "CPUExecutionProvider"]
+
     def build(self, model, example, cell):
         import onnxruntime as ort
 
@@ -61,8 +65,7 @@ class OnnxRuntime(PythonTier):
                          stream_description="host (CPU execution provider)", uses_torch_allocator=False)
 
         stream = torch.cuda.Stream()
-        session = ort.InferenceSession(str(path), so, providers=[(self.provider, self.provider_options(cell, stream)),
-                                                                 "CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), so, providers=self.providers(cell, stream))
         elem = ort_element_type(example.dtype)
         if elem is None:
             raise ValueError(f"no IO-binding element type for {example.dtype} in onnxruntime's Python API")

@@ -1,0 +1,137 @@
+"""The TensorRT rungs without TensorRT: everything they rest on that runs here, for real. The ONNX export they
+parse (checked by onnx and run by ONNX Runtime's CPU EP against eager, both layouts, two batch sizes on one
+file), the engine cache key, the profile, and the exact reasons both rungs give on a machine without TensorRT,
+in the API, in `harness tiers` and in a ladder run that goes on past them. Building and running an engine needs
+TensorRT and a GPU; nothing here pretends to."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from harness.model import build_model, make_input
+from harness.worker import prepare_input
+from tests.conftest import REPO, ladder, records
+from tiers.base import Cell
+from tiers.onnx_export import bound_input, export_onnx
+from tiers.ort_tensorrt import TIER as ORT_TRT
+from tiers.tensorrt import TIER as TRT
+from tiers.tensorrt import _import, engine_key, onnx_digest, profile_shapes
+
+NO_TENSORRT = importlib.util.find_spec("tensorrt") is None and importlib.util.find_spec("tensorrt_rtx") is None
+NO_TRT_EP = "TensorrtExecutionProvider" not in ort.get_available_providers()
+
+
+@pytest.fixture(scope="module")
+def resnet18():
+    return build_model("resnet18")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_onnx_export_matches_eager_on_both_batches(resnet18, tmp_path, channels_last):
+    cell = Cell(tier="tensorrt", model="resnet18", batch=3, res=32, channels_last=channels_last, device="cpu")
+    example = prepare_input(make_input(3, 32), cell)
+    path, facts = export_onnx(resnet18, example, cell, tmp_path)
+    onnx.checker.check_model(str(path))  # by path, so external weight files are checked too
+    assert facts["onnx_bytes"] > 0
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    dims = graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param, "batch axis must be dynamic"
+    assert [d.dim_value for d in dims[1:]] == ([32, 32, 3] if channels_last else [3, 32, 32])
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        reference = resnet18(example.float())
+    for batch in (1, 3):  # one file serves every batch: what the TensorRT profile relies on
+        x = bound_input(example[:batch], cell)
+        assert x.is_contiguous()
+        got = torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
+        assert got.shape == (batch, 1000)
+        torch.testing.assert_close(got, reference[:batch], rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+def test_onnx_digest_follows_the_file(resnet18, tmp_path):
+    paths = []
+    for channels_last in (False, True):
+        cell = Cell(tier="tensorrt", model="resnet18", batch=1, res=32, channels_last=channels_last, device="cpu")
+        paths.append(export_onnx(resnet18, prepare_input(make_input(1, 32), cell), cell, tmp_path)[0])
+    assert onnx_digest(paths[0]) == onnx_digest(paths[0])
+    assert onnx_digest(paths[0]) != onnx_digest(paths[1])
+
+
+def test_profile_covers_batch_one_to_max():
+    assert profile_shapes(Cell(tier="tensorrt", batch=32, res=224)) == ((1, 3, 224, 224), (32, 3, 224, 224),
+                                                                        (256, 3, 224, 224))
+    assert profile_shapes(Cell(tier="tensorrt", batch=512, res=64, channels_last=True)) == (
+        (1, 64, 64, 3), (512, 64, 64, 3), (512, 64, 64, 3))
+    cell = Cell(tier="tensorrt", batch=8, res=32, options=(("trt-max-batch", "64"),))
+    assert profile_shapes(cell)[2] == (64, 3, 32, 32)
+
+
+def test_engine_key_changes_with_everything_the_engine_depends_on():
+    base = {"model": "resnet50", "onnx_sha": "ab" * 32, "shapes": profile_shapes(Cell(tier="tensorrt", batch=32)),
+            "dtype": "fp16", "trt_version": "tensorrt 10.9.0.34", "gpu": ("NVIDIA H100 80GB HBM3", (9, 0))}
+    key = engine_key(**base)
+    assert key == engine_key(**base)
+    changes = {"model": "resnet18", "onnx_sha": "cd" * 32, "shapes": profile_shapes(Cell(tier="tensorrt", batch=1)),
+               "dtype": "bf16", "trt_version": "tensorrt 10.10.0.31", "gpu": ("NVIDIA H200", (9, 0))}
+    for field, value in changes.items():
+        assert engine_key(**{**base, field: value}) != key, field
+    assert engine_key(**{**base, "gpu": ("NVIDIA H100 80GB HBM3", (8, 9))}) != key
+
+
+@pytest.mark.skipif(not NO_TENSORRT, reason="TensorRT is installed here")
+def test_tensorrt_unavailable_reasons():
+    assert TRT.availability("cuda") == ("TensorRT Python package not installed (PyPI's `tensorrt` is a stub that "
+                                        "downloads from pypi.nvidia.com; install it from NVIDIA's index)")
+    assert TRT.availability("cpu") == "TensorRT needs an NVIDIA GPU"
+
+
+def test_module_checks_on_real_modules():
+    assert _import("tier_ladder_no_such_module") == (None, None)
+    module, reason = _import("json")  # importable, but no Builder: what a stub looks like
+    assert module is None and "has no Builder" in reason
+
+
+@pytest.mark.skipif(not NO_TRT_EP, reason="this onnxruntime has the TensorRT EP")
+def test_ort_tensorrt_unavailable_reasons():
+    providers = ", ".join(ort.get_available_providers())
+    assert ORT_TRT.availability("cuda") == (f"onnxruntime {ort.__version__} lists no TensorrtExecutionProvider "
+                                            f"(providers: {providers}); install onnxruntime-gpu")
+    assert ORT_TRT.availability("cpu") == "TensorRT needs an NVIDIA GPU"
+
+
+def test_ort_tensorrt_skips_strict_fp32():
+    assert "TF32" in ORT_TRT.supports(Cell(tier="ort-tensorrt", dtype="fp32"))
+    assert ORT_TRT.supports(Cell(tier="ort-tensorrt", dtype="tf32")) is None
+
+
+def test_tiers_lists_both_rungs_with_their_reasons():
+    proc = subprocess.run([sys.executable, "-m", "harness", "tiers"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"})
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.count("│") > 2}
+    for name in ("tensorrt", "ort-tensorrt"):
+        assert "unavailable: TensorRT needs an NVIDIA GPU" in rows[name]
+    if NO_TENSORRT:
+        assert "TensorRT Python package not installed" in rows["tensorrt"]
+    if NO_TRT_EP:
+        assert "lists no" in rows["ort-tensorrt"]
+
+
+def test_ladder_records_them_unavailable_and_goes_on(tmp_path):
+    proc = ladder(tmp_path, "--tiers", "tensorrt,ort-tensorrt,eager", "--model", "resnet18", "--batch", "1",
+                  "--res", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_tier = {r["tier"]: r for r in records(tmp_path)}
+    for name in ("tensorrt", "ort-tensorrt"):
+        assert by_tier[name]["status"] == "unavailable"
+        assert by_tier[name]["reason"] == "TensorRT needs an NVIDIA GPU"
+    assert by_tier["eager"]["status"] == "ok"
