@@ -6,7 +6,7 @@
 set -uo pipefail
 RUN=${RUN:-runs/gpu}
 OUT=${OUT:-/tmp/out}
-START=$(date +%s)
+START=${START:-$(date +%s)}  # a caller running several groups in one call passes its own start
 # The protocol of the committed results: every cell in a fresh process; short passes so that the whole session fits
 # the device budget (latency: >= 30 iterations and >= 0.5 s; median over hundreds of samples at small batches).
 Q="--channels-last --warmup-s 1 --min-time 0.5 --iters 30 --util-s 0.5 --e2e-iters 5 --out $RUN"

@@ -214,7 +214,7 @@ def cmd_report(args) -> int:
 
     records, meta = report.load_records(args.inputs)
     doc = report.document(records, meta.get("environment", {}), meta.get("protocol", {}),
-                          {"peak_tflops": meta.get("peak_tflops")})
+                          {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"]})
     Console().print(report.rich_table(records))
     report.write(doc, args.json, args.markdown, args.csv)
     return 0

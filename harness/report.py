@@ -35,8 +35,8 @@ DEFINITIONS = {
     "memory": "allocator_peak_bytes: torch caching-allocator peak allocated over 3 steady-state forwards after a "
               "peak reset (weights and persistent buffers included); allocator_reserved_peak_bytes: same, "
               "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
-              "nvml_process_peak_bytes: NVML's figure for the child process, peak over its life, CUDA context "
-              "included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
+              "nvml_process_peak_bytes: NVML's figure for the child process, peak over its untimed phases (NVML is "
+              "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
               "their own memory plan report workspace_bytes / activation_bytes / weights_bytes",
     "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
                    "forwards",
@@ -121,7 +121,16 @@ def markdown(doc: dict) -> str:
              f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')}), "
              f"torchvision {env.get('torchvision')}, Triton {env.get('triton')}, ONNX Runtime "
              f"{env.get('onnxruntime')}, TensorRT {env.get('tensorrt') or 'not installed'}.", ""]
-    peaks = doc.get("peak_tflops", {}).get("measured")
+    runs = doc.get("runs") or []
+    if len(runs) > 1:
+        lines += [f"Merged from {len(runs)} runs (the `run` field of each JSON record says which):"]
+        for i, run in enumerate(runs):
+            labels = sorted({r["label"] for r in doc["results"] if r.get("run") == i})
+            e = run.get("environment") or {}
+            lines += [f"- run {i} ({(e.get('gpu') or {}).get('name', e.get('cpu'))}, torch {e.get('torch')}, ONNX "
+                      f"Runtime {e.get('onnxruntime')}; {run['source']}): {', '.join(labels) or 'superseded'}"]
+        lines += [""]
+    peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
     table = rows(doc["results"])
@@ -172,19 +181,23 @@ def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Pat
 
 
 def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
-    """Records from results.jsonl files or earlier JSON documents (later files win on the same cell key)."""
+    """Records from results.jsonl files (with their run.json) or earlier JSON documents; later files win on the
+    same cell key. Each record gets `run`, an index into meta['runs'] (source and environment of its run), so a
+    report merged from several machines says which machine measured what."""
     by_key: dict[str, dict] = {}
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {"runs": []}
     for p in paths:
         if p.suffix == ".jsonl":
             recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-            meta_path = p.with_name("run.json")
-            if meta_path.exists():
-                meta = json.loads(meta_path.read_text())
+            run_meta = json.loads(p.with_name("run.json").read_text()) if p.with_name("run.json").exists() else {}
         else:
             d = json.loads(p.read_text())
             recs = d["results"]
-            meta = {k: v for k, v in d.items() if k not in ("results", "definitions", "schema_version", "generated")}
+            run_meta = {k: v for k, v in d.items() if k not in ("results", "definitions", "schema_version", "generated")}
+        meta.update({k: v for k, v in run_meta.items() if k != "runs"})
+        run = len(meta["runs"])
+        meta["runs"].append({"source": str(p), "environment": run_meta.get("environment"),
+                             "peak_tflops": run_meta.get("peak_tflops")})
         for r in recs:
-            by_key[r["key"]] = r
+            by_key[r["key"]] = {**r, "run": run}
     return list(by_key.values()), meta

@@ -51,9 +51,12 @@ class Protocol:
         return out
 
 
+TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
+
+
 class Sampler(threading.Thread):
-    """Samples NVML every `period` s while the child lives: the child's own GPU memory (per-process accounting),
-    device memory in use, GPU utilisation and SM clock, each tagged with the child's current phase."""
+    """Samples NVML every `period` s while the child lives, except in its timed phases: the child's own GPU memory
+    (per-process accounting), device memory in use, GPU utilisation and SM clock, tagged with the child's phase."""
 
     def __init__(self, pid: int, period: float = 0.02) -> None:
         super().__init__(daemon=True)
@@ -68,6 +71,9 @@ class Sampler(threading.Thread):
             return
         nv, h = self.nv, self.handle
         while not self.stop.is_set():
+            if self.phase in TIMED_PHASES:  # NVML calls enter the driver: keep them out of the timed passes
+                self.stop.wait(self.period)
+                continue
             s: dict[str, Any] = {"phase": self.phase}
             try:
                 procs = nv.nvmlDeviceGetComputeRunningProcesses(h)
@@ -93,11 +99,12 @@ class Sampler(threading.Thread):
         out: dict[str, Any] = {"nvml_samples": len(self.samples)}
         if proc:
             out["nvml_process_peak_bytes"] = max(proc)
-            out["nvml_source"] = "per-process used GPU memory (NVML), peak over the child's life, CUDA context included"
+            out["nvml_source"] = ("per-process used GPU memory (NVML), peak over the child's untimed phases (build, first "
+                                  "result, memory, util), CUDA context included")
         elif dev and baseline is not None:
             out["nvml_process_peak_bytes"] = max(dev) - baseline
             out["nvml_source"] = ("device memory used minus before the child started (NVML has no per-process "
-                                  "figure here), peak over the child's life, CUDA context included")
+                                  "figure here), peak over the child's untimed phases, CUDA context included")
         if util:
             clocks = sorted(s["sm_mhz"] for s in util)
             out["utilisation"] = {
@@ -140,14 +147,16 @@ class RunDir:
         return p
 
     def done(self) -> dict[str, dict]:
-        """Records already written, by cell key (a rerun skips them)."""
+        """Records already written, by cell key: a rerun skips cells measured (or failing parity, or skipped by
+        the rung) and tries again those that crashed, timed out, ran out of memory or were unavailable."""
         if not self.results.exists():
             return {}
         out = {}
         for line in self.results.read_text().splitlines():
             if line.strip():
                 rec = json.loads(line)
-                out[rec["key"]] = rec
+                if rec["status"] in ("ok", "parity-fail", "skipped"):
+                    out[rec["key"]] = rec
         return out
 
     def append(self, record: dict) -> None:

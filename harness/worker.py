@@ -9,6 +9,7 @@ import math
 import resource
 import sys
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -260,6 +261,10 @@ def main(argv: list[str]) -> int:
     except Unavailable as e:
         print(f"@@error {e}", flush=True)
         return 3
+    except Exception as e:  # the traceback goes to stderr; the parent records the exception's own words
+        traceback.print_exc()
+        print(f"@@error {type(e).__name__}: {' '.join(str(e).split())[:600]}", flush=True)
+        return 1
     with open(kv["result"], "w") as f:
         json.dump(result, f)
     return 0

@@ -54,7 +54,8 @@ def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
     by = {r["tier"]: r for r in records(tmp_path)}
     assert by["test-segfault"]["status"] == "crashed"
     assert signal.Signals.SIGSEGV.name in by["test-segfault"]["reason"]
-    assert by["test-raises"]["status"] == "crashed" and "deliberate failure" in by["test-raises"]["reason"]
+    assert by["test-raises"]["status"] == "error"
+    assert by["test-raises"]["reason"] == "RuntimeError: deliberate failure in build"
     assert by["test-hangs"]["status"] == "timeout" and "build" in by["test-hangs"]["reason"]
     assert by["test-wrong"]["status"] == "parity-fail" and by["test-wrong"].get("latency_ms") is None
     assert by["eager"]["status"] == "ok"

@@ -11,6 +11,12 @@ from tiers.base import Built, PythonTier
 from tiers.onnx_export import bound_input, export_onnx
 
 
+# Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
+# is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
+BF16_EXPORT = ("torch's ONNX exporter makes an invalid bfloat16 graph of this model: batch-norm is folded into "
+               "float32 Conv weights beside bfloat16 activations (and at its default opset 18, Conv has no bfloat16)")
+
+
 def ort_element_type(dtype: torch.dtype):
     import numpy as np
 
@@ -33,8 +39,8 @@ class OnnxRuntime(PythonTier):
         return None
 
     def supports(self, cell):
-        if cell.dtype == "bf16" and cell.device == "cuda":
-            return None  # tried: ORT's own error says which node has no bfloat16 kernel
+        if cell.dtype == "bf16":
+            return BF16_EXPORT
         return super().supports(cell)
 
     def provider_options(self, cell, stream) -> dict:
