@@ -28,6 +28,7 @@ import torch
 from harness.cbuild import CACHE
 from tiers.base import Built, Cell, PythonTier, Unavailable
 from tiers.onnx_export import bound_input, export_onnx
+from tiers.onnxruntime import BF16_EXPORT
 
 NEEDS_GPU = "TensorRT needs an NVIDIA GPU"
 NOT_INSTALLED = ("TensorRT Python package not installed (PyPI's `tensorrt` is a stub that downloads from "
@@ -177,6 +178,11 @@ class TensorRT(PythonTier):
             (major, minor), name = gpu[1], gpu[0]
             return f"TensorRT-RTX {trt.__version__} does not support compute capability {major}.{minor} ({name})"
         return None
+
+    def supports(self, cell):
+        if cell.dtype == "bf16":  # the strongly typed network would be parsed from that invalid graph
+            return BF16_EXPORT
+        return super().supports(cell)
 
     def build(self, model, example, cell):
         trt, reason = load_tensorrt()
