@@ -2,7 +2,8 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP      GROUP: python | compile | cpp-cudnn | triton
+#   bash bench/gpu_session.sh GROUP      GROUP: python | compile | cpp-cudnn | triton | recheck
+# A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 set -uo pipefail
 RUN=${RUN:-runs/gpu}
 OUT=${OUT:-/tmp/out}
@@ -34,7 +35,12 @@ case "$1" in
       --json "$OUT/micro_cudnn.json" --markdown "$OUT/micro_cudnn.md"
     timeout -k 10 $((570 - ($(date +%s) - START))) python3 -m harness micro --tier triton --batch 256 --res 224 \
       --dtype bf16 --channels-last --json "$OUT/micro_triton.json" --markdown "$OUT/micro_triton.md" ;;
-  *) echo "unknown group $1; valid: python compile cpp-cudnn triton" >&2; exit 2 ;;
+  recheck)    # host-bound cells again, then the plain loop on the same lease (the independent check)
+    ladder --tiers eager,compile --batch 1,32 --dtype fp32,bf16
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32 \
+      --dtype fp32,bf16 --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json" ;;
+  *) echo "unknown group $1; valid: python compile cpp-cudnn triton recheck" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"
