@@ -4,6 +4,7 @@ cpp/common/ladder/protocol.h is the same protocol for the C++ rungs; keep the tw
 Run as `python -m harness.worker --tier NAME --batch ... --result R.json ...` (the runner builds the line)."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import resource
@@ -164,6 +165,9 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
         clock.stop()
         return clock.elapsed_ms()
 
+    # As timeit does: no garbage-collector pauses inside the timed phases (collected once before, enabled after).
+    gc.collect()
+    gc.disable()
     phase("warmup")
     warm: list[float] = []
     stable = False
@@ -217,6 +221,7 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
             e2e["pageable_ms"].append(end_to_end(pageable_in, pageable_out))
             e2e["pinned_ms"].append(end_to_end(pinned_in, pinned_out))
     result["e2e"] = e2e
+    gc.enable()
 
     phase("memory")
     memory: dict[str, Any] = {"allocator_peak_bytes": None, "allocator_reserved_peak_bytes": None}
