@@ -39,6 +39,29 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _rung_option(text: str) -> tuple[str, str, str]:
+    """TIER:KEY=VALUE, checked against the options the rung declares (tiers/base.py Tier.options)."""
+    from tiers import all_tiers
+
+    tier, _, rest = text.partition(":")
+    key, _, value = rest.partition("=")
+    tiers = all_tiers()
+    if tier not in tiers or not rest:
+        with_options = [f"{n}:{k}" for n, t in tiers.items() for k in t.options]
+        raise argparse.ArgumentTypeError(f"{text!r} is not TIER:KEY=VALUE (rung options: {', '.join(with_options)})")
+    valid = tiers[tier].options
+    if (tier, key) == ("compile", "compile-mode"):
+        raise argparse.ArgumentTypeError("give compile modes with --compile-mode (a list)")
+    if key not in valid:
+        raise argparse.ArgumentTypeError(f"{tier} has no option {key!r} (valid: {', '.join(valid) or 'none'})")
+    if valid[key] is None and not (value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError(f"{tier}:{key} takes a positive integer, not {value!r}")
+    if valid[key] is not None and value not in valid[key]:
+        raise argparse.ArgumentTypeError(f"invalid choice {value!r} for {tier}:{key} (choose from "
+                                         f"{', '.join(valid[key])})")
+    return tier, key, value
+
+
 def default_device() -> str:
     from harness.env import gpu_handle
 
@@ -66,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
                      help="run graph-capable rungs captured in a CUDA graph")
     lad.add_argument("--compile-mode", type=_list(str, COMPILE_MODES), default=["default"],
                      help="comma list from default,reduce-overhead,max-autotune (for the compile rung)")
+    lad.add_argument("--option", type=_rung_option, action="append", default=[], metavar="TIER:KEY=VALUE",
+                     help="rung-specific option, e.g. triton:autotune=off, tensorrt:trt-max-batch=512 (repeatable)")
     lad.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is present")
     lad.add_argument("--iters", type=_positive_int, default=50, help="minimum timed iterations per cell")
     lad.add_argument("--min-time", type=float, default=1.0, help="minimum seconds of timed iterations per cell")
@@ -137,7 +162,9 @@ def plan(args, device: str) -> list[Cell]:
     graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     cells = []
     for tier, dtype, batch, res, graph in itertools.product(tiers, dtypes, batches, resolutions, graphs):
-        option_sets = [(("compile-mode", m),) for m in args.compile_mode] if tier == "compile" else [()]
+        given = tuple((k, v) for t, k, v in args.option if t == tier)
+        option_sets = ([tuple(sorted((("compile-mode", m),) + given)) for m in args.compile_mode]
+                       if tier == "compile" else [tuple(sorted(given))])
         for opts in option_sets:
             if graph and not all_tiers()[tier].cuda_graph:
                 continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode

@@ -29,6 +29,14 @@ def test_bad_values_name_the_valid_choices(args, valid):
     assert all(v in error for v in valid), error
 
 
+def test_rung_options_are_checked_against_what_the_rung_declares():
+    assert "eager has no option 'x' (valid: none)" in harness("ladder", "--option", "eager:x=1").stderr
+    assert "takes a positive integer" in harness("ladder", "--option", "tensorrt:trt-max-batch=0").stderr
+    assert "triton:autotune" in harness("ladder", "--option", "garbage").stderr
+    assert "invalid choice 'maybe' for triton:autotune (choose from on, off)" in harness(
+        "ladder", "--option", "triton:autotune=maybe").stderr
+
+
 def test_bad_model_and_batch():
     assert "invalid choice" in harness("ladder", "--model", "resnet9").stderr.splitlines()[-1]
     assert "0 must be a positive integer" in harness("ladder", "--batch", "1,0").stderr.splitlines()[-1]

@@ -72,7 +72,8 @@ class Tier:
     models: tuple[str, ...] | None = None  # None: any torchvision classification model
     dtypes: tuple[str, ...] = DTYPES
     cuda_graph: bool = False  # whether the rung can run captured in a CUDA graph (--cuda-graph)
-    options: dict[str, tuple[str, ...]] = {}  # rung-specific option -> valid values (first is the default)
+    # Rung-specific options (`--option TIER:KEY=VALUE`): key -> its valid values, or None for a positive integer.
+    options: dict[str, tuple[str, ...] | None] = {}
 
     def availability(self, device: str) -> str | None:
         """None if the rung can run on `device` ('cuda' or 'cpu'), else the exact reason it cannot."""

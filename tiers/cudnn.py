@@ -113,6 +113,7 @@ def _cuda_arch() -> str:
 
 
 class CudnnTier(ExternalTier):
+    options = {"autotune": None, "workspace-mb": None}
     name = "cudnn"
     summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
     models = ("resnet50",)

@@ -25,6 +25,7 @@ def preload_tensorrt() -> None:
 
 class OrtTensorRT(OnnxRuntime):
     name = "ort-tensorrt"
+    options = {"trt-max-batch": None}
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"
 
