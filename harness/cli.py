@@ -208,7 +208,8 @@ def cmd_ladder(args) -> int:
     todo = [c for c in cells if c.key not in done]
     console.print(f"[bold]{len(cells)} cells[/] ({len(cells) - len(todo)} already recorded in {run.path}), "
                   f"{args.model} on {device}")
-    records = {k: v for k, v in done.items() if k in {c.key for c in cells}}
+    planned = {c.key for c in cells}
+    records = {k: v for k, v in done.items() if k in planned}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("ladder", total=len(todo))
@@ -251,6 +252,7 @@ def cmd_micro(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from harness import report
     from harness.env import environment
     from tiers import get_tier
 
@@ -270,10 +272,7 @@ def cmd_micro(args) -> int:
         args.json.write_text(json.dumps({"environment": environment("cuda"), "tier": args.tier, "batch": args.batch,
                                          "res": args.res, "dtype": args.dtype, "rows": rows}, indent=1))
     if args.markdown:
-        cols = list(rows[0])
-        md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        md += ["| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
-               for r in rows]
+        md = report.markdown_table(rows)
         args.markdown.write_text(f"# {args.tier} microbenchmark (batch {args.batch}, res {args.res}, "
                                  f"{args.dtype})\n\n" + "\n".join(md) + "\n")
     return 0

@@ -10,9 +10,10 @@ def flops_per_image(model_name: str, res: int) -> int:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from harness.model import _skeleton
+    from harness.model import skeleton
 
-    model = _skeleton(model_name).to("meta").eval()
+    with torch.device("meta"):
+        model = skeleton(model_name).eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.empty(1, 3, res, res, device="meta"))
     return int(counter.get_total_flops())

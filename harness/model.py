@@ -53,7 +53,7 @@ def load_model(name: str, weights: Path) -> torch.nn.Module:
     from safetensors.torch import load_file
 
     with torch.device("meta"):
-        model = _skeleton(name)
+        model = skeleton(name)
     missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
     counters = [k for k in missing if k.endswith("num_batches_tracked")]
     missing = [k for k in missing if k not in counters]
@@ -65,7 +65,8 @@ def load_model(name: str, weights: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def _skeleton(name: str) -> torch.nn.Module:
+def skeleton(name: str) -> torch.nn.Module:
+    """The architecture with torchvision's default initialisation (build under torch.device('meta') to skip it)."""
     import torchvision
 
     check_model(name)

@@ -89,6 +89,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         nv = mem.get("nvml_process_peak_bytes")
         alloc = mem.get("allocator_peak_bytes")
         par = r.get("parity") or {}
+        vs_eager = speedup(records, r)
         out.append({
             "rung": r["label"],
             "batch": str(r["batch"]),
@@ -100,7 +101,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
             "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if ok else "",
             "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if ok else "",
-            "vs eager": (_fmt(speedup(records, r), ".2f") + "x") if ok and speedup(records, r) else "",
+            "vs eager": _fmt(vs_eager, ".2f") + "x" if vs_eager else "",
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if ok else "",
             "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
@@ -110,6 +111,19 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
                        f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
         })
     return out
+
+
+def markdown_table(table: list[dict[str, Any]]) -> list[str]:
+    """Rows of dicts (same keys) as markdown lines; floats with three decimals."""
+    if not table:
+        return []
+    cols = list(table[0])
+
+    def cell(v: Any) -> str:
+        return (f"{v:.3f}" if isinstance(v, float) else str(v)).replace("|", "/")
+
+    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in table])
 
 
 def markdown(doc: dict) -> str:
@@ -133,11 +147,7 @@ def markdown(doc: dict) -> str:
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
-    table = rows(doc["results"])
-    if table:
-        cols = list(table[0])
-        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(row[c].replace("|", "/") for c in cols) + " |" for row in table]
+    lines += markdown_table(rows(doc["results"]))
     lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
               "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
               "CPU time to issue one forward; first result = load + build + first forward in a fresh process "

@@ -87,11 +87,6 @@ class Sampler(threading.Thread):
             self.samples.append(s)
             self.stop.wait(self.period)
 
-    def device_mem_baseline(self) -> int | None:
-        if self.handle is None:
-            return None
-        return self.nv.nvmlDeviceGetMemoryInfo(self.handle).used
-
     def summary(self, baseline: int | None) -> dict[str, Any]:
         proc = [s["proc_mem"] for s in self.samples if s.get("proc_mem") is not None]
         dev = [s["dev_mem"] for s in self.samples if s.get("dev_mem") is not None]
@@ -166,9 +161,19 @@ class RunDir:
             os.fsync(f.fileno())
 
 
+def device_memory_used() -> int | None:
+    """Device memory in use now (NVML), the baseline when NVML has no per-process figure."""
+    nv, h = gpu_handle()
+    return None if h is None else nv.nvmlDeviceGetMemoryInfo(h).used
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of every child: this checkout importable, whatever the caller's working directory."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra}
+
+
 def child(cmd: list[str], check: bool = False, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, **kw)
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, **kw)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed: {proc.stderr.strip()[-2000:]}")
     return proc
@@ -224,15 +229,13 @@ def run_cell(run: RunDir, cell: Cell, protocol: Protocol, on_phase: Callable[[st
         "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device,
         *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
         *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args()]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env(PYTHONUNBUFFERED="1")
     if fresh_cache:  # cold means cold: no Inductor / Triton cache from an earlier cell or run
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cdir / "inductor-cache")
         env["TRITON_CACHE_DIR"] = str(cdir / "triton-cache")
     stderr_path = cdir / "stderr.txt"
     with open(stderr_path, "w") as err:
-        baseline_probe = Sampler(0)
-        baseline = baseline_probe.device_mem_baseline()
+        baseline = device_memory_used()
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=True)
         sampler = Sampler(proc.pid)

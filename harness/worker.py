@@ -17,10 +17,7 @@ import torch
 
 from harness.model import load_model, read_tensor
 from tiers import get_tier
-from tiers.base import Built, Cell, Unavailable
-
-TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
+from tiers.base import Built, Cell, Unavailable, torch_dtype
 
 def parse_args(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     if len(argv) % 2:
@@ -56,7 +53,7 @@ def set_math_mode(dtype: str) -> None:
 
 
 def prepare_input(x: torch.Tensor, cell: Cell) -> torch.Tensor:
-    x = x.to(cell.device, TORCH_DTYPES[cell.dtype])
+    x = x.to(cell.device, torch_dtype(cell.dtype))
     return x.contiguous(memory_format=torch.channels_last) if cell.channels_last else x.contiguous()
 
 

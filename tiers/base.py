@@ -116,10 +116,16 @@ class ExternalTier(Tier):
         return {}
 
 
+def torch_dtype(dtype: str) -> Any:
+    """The torch type of the ladder's dtype name (tf32 is fp32 storage with TF32 math)."""
+    import torch
+
+    return {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
 def place_model(model: Any, cell: Cell) -> Any:
     """The eager model on the cell's device, dtype and memory layout (what every PyTorch-based rung starts from)."""
     import torch
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cell.dtype, torch.float32)
-    model = model.to(cell.device, dtype)
+    model = model.to(cell.device, torch_dtype(cell.dtype))
     return model.to(memory_format=torch.channels_last) if cell.channels_last else model

@@ -19,10 +19,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import Cell, place_model
-
-_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
+from tiers.base import Cell, place_model, torch_dtype
 
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
                        path: Path | None = None) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
@@ -54,7 +51,7 @@ def main() -> None:
     cell = Cell(**{**d, "options": tuple(d["options"].items())})
     model = place_model(load_model(cell.model, a.weights), cell)
     fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
-    example = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=_DTYPES[cell.dtype])
+    example = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=torch_dtype(cell.dtype))
     _, facts = export_torchscript(model, example.contiguous(memory_format=fmt), a.out)
     print(json.dumps(facts))  # the parent reads the facts from the last line
 

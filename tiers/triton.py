@@ -10,15 +10,9 @@ from __future__ import annotations
 import os
 import time
 
-from tiers.base import Built, Cell, PythonTier
+from tiers.base import Built, Cell, PythonTier, torch_dtype
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2")
-
-
-def _torch_dtype(dtype: str):
-    import torch
-
-    return {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
 
 
 def _precision(dtype: str) -> str:
@@ -50,7 +44,7 @@ class TritonTier(PythonTier):
         from kernels.triton.resnet import TritonResNet
 
         tune = cell.option("autotune", "on") == "on" and not tuning.INTERPRET
-        net = TritonResNet(model, _torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune)
+        net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune)
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -103,7 +97,7 @@ def micro(batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
 
     from kernels.triton.conv import conv2d, pack_conv
 
-    tdt, precision = _torch_dtype(dtype), _precision(dtype)
+    tdt, precision = torch_dtype(dtype), _precision(dtype)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     rows = []
