@@ -2,7 +2,8 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP      GROUP: python | compile | cpp-cudnn | triton | recheck
+#   bash bench/gpu_session.sh GROUP      GROUP: cpp | cudnn | check (lease A) | trt | triton | micro (lease B)
+# Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 set -uo pipefail
 RUN=${RUN:-runs/gpu}
@@ -16,31 +17,44 @@ ladder() {  # stops itself (Ctrl-C: cells already recorded stay) so that the cal
   [ "$left" -gt 20 ] || { echo "no time left for: $*"; return 0; }
   COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder $Q "$@"
 }
+sweep() {  # parity of rung $1 in dtypes $2 over batch x resolution: a one-iteration protocol, its timings no figures
+  local left=$((570 - ($(date +%s) - START)))
+  [ "$left" -gt 20 ] || { echo "no time left for: sweep $*"; return 0; }
+  COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder --tiers "$1" --dtype "$2" --batch 1,7,32,256 \
+    --res 64,224,320 --channels-last --warmup-s 0 --warmup-max 1 --iters 1 --min-time 0 --util-s 0 --e2e-iters 1 \
+    --warm-cache --out "$RUN-parity" --markdown "$OUT/parity_$1.md" --json "$OUT/parity_$1.json"
+}
 case "$1" in
-  python)     # the ladder issue's Python rungs (compile is its own group), plus eager in a CUDA graph
-    ladder --tiers eager,torchscript,onnxruntime --batch 1,32,256 --dtype fp32,tf32,bf16
-    ladder --tiers eager --cuda-graph on --batch 1,32,256 --dtype bf16 ;;
-  compile)    # torch.compile default, cold (fresh caches per cell); then the independent plain-loop check
-    ladder --tiers compile --batch 1,32,256 --dtype fp32,tf32,bf16
-    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
-    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32,256 \
-      --dtype fp32,bf16 --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json" ;;
-  cpp-cudnn)  # LibTorch C++ rungs and the hand-written cuDNN rung (plain and in a CUDA graph)
+  cpp)        # lease A, call 1: eager (plain and in a CUDA graph) beside the LibTorch C++ rungs
+    ladder --tiers eager --batch 1,32,256 --dtype fp32,bf16
+    ladder --tiers eager --cuda-graph on --batch 1,32,256 --dtype bf16
     ladder --tiers libtorch,torchscript-cpp --batch 1,32,256 --dtype fp32,bf16
-    ladder --tiers cudnn --batch 1,32,256 --dtype fp32,bf16 --cuda-graph both ;;
-  triton)     # hand-written Triton (autotune cache shared between its cells), compile reduce-overhead, micro
-    ladder --tiers triton --batch 1,32,256 --dtype bf16 --cuda-graph both --warm-cache
-    ladder --tiers compile --compile-mode reduce-overhead --batch 1,32,256 --dtype bf16
+    ladder --tiers cudnn --batch 1,32,256 --dtype bf16,fp32 --cuda-graph both ;;
+  cudnn)      # lease A, call 2: the hand-written cuDNN rung (plain and graphed), torch.compile default beside it
+    ladder --tiers cudnn --batch 1,32,256 --dtype bf16,fp32 --cuda-graph both
+    ladder --tiers compile --batch 1,32,256 --dtype bf16
+    ladder --tiers compile --batch 1,32,256 --dtype fp32 ;;
+  check)      # lease A, call 3: the plain-loop check of eager and compile, then cuDNN parity over shapes
+    ladder --tiers compile --batch 1,32,256 --dtype fp32
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    timeout -k 10 $((400 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32,256 \
+      --dtype fp32,bf16 --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json"
+    sweep cudnn fp32,bf16 ;;
+  trt)        # lease B, with onnxruntime-gpu staged: what `tiers` says on the H100, the TensorRT rungs' cells
+    COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
+    ladder --tiers tensorrt,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
+  triton)     # lease B: hand-written Triton (autotune cache shared between its cells) beside eager and compile
+    ladder --tiers eager --batch 1,32,256 --dtype bf16 --cuda-graph both
+    ladder --tiers triton --batch 256,32,1 --dtype bf16 --cuda-graph both --warm-cache
+    ladder --tiers compile --batch 1,32,256 --dtype bf16 --compile-mode default,reduce-overhead ;;
+  micro)      # lease B: per-layer microbenchmarks, Triton parity over shapes, compute-sanitizer on the cuDNN rung
     python3 -m harness micro --tier cudnn --batch 256 --res 224 --dtype bf16 --channels-last \
       --json "$OUT/micro_cudnn.json" --markdown "$OUT/micro_cudnn.md"
+    sweep triton bf16
+    timeout -k 10 $((560 - ($(date +%s) - START))) python3 bench/check_cudnn.py --sanitize 2>&1 | tee "$OUT/sanitizer.txt"
     timeout -k 10 $((570 - ($(date +%s) - START))) python3 -m harness micro --tier triton --batch 256 --res 224 \
       --dtype bf16 --channels-last --json "$OUT/micro_triton.json" --markdown "$OUT/micro_triton.md" ;;
-  recheck)    # host-bound cells again, then the plain loop on the same lease (the independent check)
-    ladder --tiers eager,compile --batch 1,32 --dtype fp32,bf16
-    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
-    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32 \
-      --dtype fp32,bf16 --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json" ;;
-  *) echo "unknown group $1; valid: python compile cpp-cudnn triton recheck" >&2; exit 2 ;;
+  *) echo "unknown group $1; valid: cpp cudnn check trt triton micro" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"
