@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP      GROUP: cpp | cudnn | check (lease A) | trt | triton | micro (lease B)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 set -uo pipefail
@@ -17,10 +17,10 @@ ladder() {  # stops itself (Ctrl-C: cells already recorded stay) so that the cal
   [ "$left" -gt 20 ] || { echo "no time left for: $*"; return 0; }
   COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder $Q "$@"
 }
-sweep() {  # parity of rung $1 in dtypes $2 over batch x resolution: a one-iteration protocol, its timings no figures
+sweep() {  # parity of rung $1 in dtypes $2 over batches $3 x resolutions: a one-iteration protocol, its timings no figures
   local left=$((570 - ($(date +%s) - START)))
   [ "$left" -gt 20 ] || { echo "no time left for: sweep $*"; return 0; }
-  COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder --tiers "$1" --dtype "$2" --batch 1,7,32,256 \
+  COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder --tiers "$1" --dtype "$2" --batch "${3:-1,7,32,256}" \
     --res 64,224,320 --channels-last --warmup-s 0 --warmup-max 1 --iters 1 --min-time 0 --util-s 0 --e2e-iters 1 \
     --warm-cache --out "$RUN-parity" --markdown "$OUT/parity_$1.md" --json "$OUT/parity_$1.json"
 }
@@ -40,21 +40,27 @@ case "$1" in
     timeout -k 10 $((400 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32,256 \
       --dtype fp32,bf16 --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop.json"
     sweep cudnn fp32,bf16 ;;
-  trt)        # lease B, with onnxruntime-gpu staged: what `tiers` says on the H100, the TensorRT rungs' cells
-    COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
-    ladder --tiers tensorrt,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
-  triton)     # lease B: hand-written Triton (autotune cache shared between its cells) beside eager and compile
-    ladder --tiers eager --batch 1,32,256 --dtype bf16 --cuda-graph both
-    ladder --tiers triton --batch 256,32,1 --dtype bf16 --cuda-graph both --warm-cache
-    ladder --tiers compile --batch 1,32,256 --dtype bf16 --compile-mode default,reduce-overhead ;;
-  micro)      # lease B: per-layer microbenchmarks, Triton parity over shapes, compute-sanitizer on the cuDNN rung
+  ro-cudnn)   # lease B: compile reduce-overhead (the Triton rung's batch-1 baseline); the cuDNN rung's last checks
+    ladder --tiers compile --compile-mode reduce-overhead --batch 1,32,256 --dtype bf16
+    sweep cudnn bf16 256
     python3 -m harness micro --tier cudnn --batch 256 --res 224 --dtype bf16 --channels-last \
       --json "$OUT/micro_cudnn.json" --markdown "$OUT/micro_cudnn.md"
+    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/check_cudnn.py --sanitize 2>&1 | tee "$OUT/sanitizer.txt" ;;
+  triton-checks)  # lease B: the Triton rung's parity over shapes and its per-layer microbenchmark
     sweep triton bf16
-    timeout -k 10 $((560 - ($(date +%s) - START))) python3 bench/check_cudnn.py --sanitize 2>&1 | tee "$OUT/sanitizer.txt"
     timeout -k 10 $((570 - ($(date +%s) - START))) python3 -m harness micro --tier triton --batch 256 --res 224 \
       --dtype bf16 --channels-last --json "$OUT/micro_triton.json" --markdown "$OUT/micro_triton.md" ;;
-  *) echo "unknown group $1; valid: cpp cudnn check trt triton micro" >&2; exit 2 ;;
+  recheck)    # lease B: host-bound cells of eager and compile, then the plain loop twice (its own spread)
+    ladder --tiers eager,compile --batch 1,32 --dtype bf16,fp32
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    for i in 1 2; do
+      timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1,32 --dtype bf16,fp32 \
+        --channels-last --compare "$OUT/ladder.json" --json "$OUT/plain_loop_$i.json"
+    done ;;
+  trt)        # lease B (onnxruntime-gpu staged): what `tiers` says on the H100; the TensorRT rungs' cells
+    COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
+    ladder --tiers tensorrt,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

@@ -7,6 +7,7 @@ no measurement code with the harness. Run it right after the ladder on the same 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -20,11 +21,13 @@ from harness.model import build_model  # noqa: E402  (the same seeded network; t
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def time_forward(fn, x, warmup: int = 30, iters: int = 100) -> float:
+def time_forward(fn, x, warmup: int = 50, iters: int = 200) -> float:
     for _ in range(warmup):
         fn(x)
     torch.cuda.synchronize()
     times = []
+    gc.collect()
+    gc.disable()  # as timeit does: no collector pauses inside the timed loop
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -32,6 +35,7 @@ def time_forward(fn, x, warmup: int = 30, iters: int = 100) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    gc.enable()
     return statistics.median(times)
 
 
@@ -73,7 +77,7 @@ def main() -> None:
                 print(f"{r['tier']:8s} {r['batch']:5d} {r['dtype']:5s} {r['median_ms']:9.3f} {lm:9.3f} "
                       f"{r['diff_pct']:+7.1f}")
     if args.json:
-        args.json.write_text(json.dumps({"what": "plain CUDA-event loop, median of 100 after 30 warm-up",
+        args.json.write_text(json.dumps({"what": "plain CUDA-event loop, median of 200 after 50 warm-up, garbage collector off while timing",
                                          "rows": rows}, indent=1))
 
 

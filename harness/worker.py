@@ -148,6 +148,9 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
+    # Keep no reference to this output: under reduce-overhead (CUDA-graph trees) a later call overwrites it.
+    out_shape, out_dtype = out.shape, out.dtype
+    del out
     result["stream"] = built.stream_description
     forward = built.forward
 
@@ -202,7 +205,7 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     if gpu:
         pageable_in = example.cpu()
         pinned_in = pageable_in.pin_memory()
-        pageable_out = out.cpu()
+        pageable_out = torch.empty(out_shape, dtype=out_dtype)
         pinned_out = pageable_out.pin_memory()
 
         def end_to_end(src: torch.Tensor | None, dst: torch.Tensor) -> float:
