@@ -63,7 +63,6 @@ class TritonTier(PythonTier):
         return Built(forward=net, stats=stats)
 
 
-TIER = TritonTier()
 
 
 def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
@@ -123,3 +122,7 @@ def micro(batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
             row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
         rows.append(row)
     return rows
+
+
+TritonTier.micro = staticmethod(micro)  # `python -m harness micro --tier triton`
+TIER = TritonTier()
