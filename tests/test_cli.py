@@ -19,7 +19,7 @@ def harness(*args):
     (["ladder", "--compile-mode", "fast"], ["default", "reduce-overhead", "max-autotune"]),
     (["ladder", "--device", "tpu"], ["cuda", "cpu"]),
     (["ladder", "--cuda-graph", "maybe"], ["off", "on", "both"]),
-    (["micro", "--tier", "eager"], ["--tier"]),
+    (["micro", "--tier", "eager"], ["cudnn", "triton"]),  # the hand-written rungs
 ])
 def test_bad_values_name_the_valid_choices(args, valid):
     proc = harness(*args)

@@ -62,7 +62,42 @@ class TritonTier(PythonTier):
         }
         return Built(forward=net, stats=stats)
 
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
+        """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,
+        autotuned) vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor
+        (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""
+        import torch
+        import torch.nn.functional as F
+        from triton.testing import do_bench
 
+        from kernels.triton.conv import conv2d, pack_conv
+
+        tdt, precision = torch_dtype(dtype), _precision(dtype)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        rows = []
+        for (cin, cout, k, stride, pad, h, w), count in _conv_shapes(res):
+            x = torch.randn(batch, cin, h, w, device="cuda", dtype=tdt).to(memory_format=fmt)
+            weight = (torch.randn(cout, cin, k, k, device="cuda") * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
+                memory_format=fmt)
+            bias = torch.randn(cout, device="cuda", dtype=tdt)
+            packed = pack_conv(weight, stride, pad, bias=bias, dtype=tdt, device="cuda")
+            nhwc = x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (inside the rung activations stay NHWC)
+            torch._dynamo.reset()  # a fresh compile per shape (no recompile limit, no dynamic shapes)
+            inductor = torch.compile(lambda t: F.relu(F.conv2d(t, weight, bias, stride, pad)))
+            ho, wo = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+            flop = 2 * batch * ho * wo * cout * cin * k * k
+            row = {"shape": f"{k}x{k}/s{stride} {cin}->{cout} @{h}x{w}", "count": count, "batch": batch, "dtype": dtype,
+                   "layout": "nhwc" if channels_last else "nchw", "gflop": round(flop / 1e9, 3)}
+            for name, fn in (("triton", lambda: conv2d(nhwc, packed, precision=precision)),
+                             ("cudnn", lambda: F.conv2d(x, weight, bias, stride, pad)),
+                             ("inductor", lambda: inductor(x))):
+                fn()  # autotune / compile outside the timing
+                ms = do_bench(fn, return_mode="median")
+                row[f"{name}_ms"] = round(ms, 4)
+                row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
+            rows.append(row)
+        return rows
 
 
 def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
@@ -86,43 +121,4 @@ def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
     return list(seen.items())
 
 
-def micro(batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
-    """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC, autotuned)
-    vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor (torch.compile, default
-    mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""
-    import torch
-    import torch.nn.functional as F
-    from triton.testing import do_bench
-
-    from kernels.triton.conv import conv2d, pack_conv
-
-    tdt, precision = torch_dtype(dtype), _precision(dtype)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    rows = []
-    for (cin, cout, k, stride, pad, h, w), count in _conv_shapes(res):
-        x = torch.randn(batch, cin, h, w, device="cuda", dtype=tdt).to(memory_format=fmt)
-        weight = (torch.randn(cout, cin, k, k, device="cuda") * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
-            memory_format=fmt)
-        bias = torch.randn(cout, device="cuda", dtype=tdt)
-        packed = pack_conv(weight, stride, pad, bias=bias, dtype=tdt, device="cuda")
-        nhwc = x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (inside the rung activations stay NHWC)
-        torch._dynamo.reset()  # a fresh compile per shape (no recompile limit, no dynamic shapes)
-        inductor = torch.compile(lambda t: F.relu(F.conv2d(t, weight, bias, stride, pad)))
-        ho, wo = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
-        flop = 2 * batch * ho * wo * cout * cin * k * k
-        row = {"shape": f"{k}x{k}/s{stride} {cin}->{cout} @{h}x{w}", "count": count, "batch": batch, "dtype": dtype,
-               "layout": "nhwc" if channels_last else "nchw", "gflop": round(flop / 1e9, 3)}
-        for name, fn in (("triton", lambda: conv2d(nhwc, packed, precision=precision)),
-                         ("cudnn", lambda: F.conv2d(x, weight, bias, stride, pad)),
-                         ("inductor", lambda: inductor(x))):
-            fn()  # autotune / compile outside the timing
-            ms = do_bench(fn, return_mode="median")
-            row[f"{name}_ms"] = round(ms, 4)
-            row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
-        rows.append(row)
-    return rows
-
-
-TritonTier.micro = staticmethod(micro)  # `python -m harness micro --tier triton`
 TIER = TritonTier()
