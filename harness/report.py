@@ -10,6 +10,8 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
+HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (measured cells sit near 1 or <= 0.6)
+
 # What every figure of a record means; shipped inside every JSON file so it reads on its own.
 DEFINITIONS = {
     "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
@@ -43,12 +45,25 @@ DEFINITIONS = {
     "tflops": "achieved = FLOPs of one forward (2 per multiply-accumulate in convolutions and matmuls, torch "
               "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
               "dense peak for the cell's dtype",
+    "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
+             f"{HOST_BOUND:.0%} of its latency median: the GPU waited on the host, so the latency measures the "
+             "host's speed and moves with it (on the H100 VM of results/, by tens of percent between processes); "
+             "'gpu' otherwise; null on the CPU or without a result",
     "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
                    "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
 }
 
 
+def bound(r: dict) -> str | None:
+    """'host' or 'gpu': what a cell's latency measures (DEFINITIONS['bound'])."""
+    if r["status"] != "ok" or r["device"] != "cuda" or not r.get("host_overhead_us"):
+        return None
+    host_ms = r["host_overhead_us"]["median"] / 1e3
+    return "host" if host_ms >= HOST_BOUND * r["latency_ms"]["median"] else "gpu"
+
+
 def document(records: list[dict], environment: dict, protocol: dict, extra: dict | None = None) -> dict:
+    records = [{**r, "bound": bound(r)} for r in records]
     return {
         "schema_version": SCHEMA_VERSION,
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -103,6 +118,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if ok else "",
             "vs eager": _fmt(vs_eager, ".2f") + "x" if vs_eager else "",
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
+            "bound": bound(r) or "",
             "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if ok else "",
             "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
             "GPU MiB (NVML)": _fmt(nv / 2**20, ".0f") if nv else "",
@@ -150,7 +166,8 @@ def markdown(doc: dict) -> str:
     lines += markdown_table(rows(doc["results"]))
     lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
               "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
-              "CPU time to issue one forward; first result = load + build + first forward in a fresh process "
+              "CPU time to issue one forward; bound = host where that is most of the latency (the figure then measures "
+              "the host and varies between processes), gpu otherwise; first result = load + build + first forward in a fresh process "
               "(fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context included); alloc MiB = torch "
               "allocator peak in steady state; parity rel err = max|out-ref|/max|ref| against eager fp32. "
               "Full definitions and raw samples are in the JSON.", ""]
@@ -172,7 +189,7 @@ def rich_table(records: list[dict], title: str = "Tier ladder"):
 
     table = Table(title=title, header_style="bold")
     cols = ["rung", "batch", "res", "dtype", "median ms", "p99 ms", "CV %", "img/s", "pipelined img/s", "vs eager",
-            "host us/call", "TFLOP/s", "first result s", "GPU MiB (NVML)", "parity", "status"]
+            "host us/call", "bound", "TFLOP/s", "first result s", "GPU MiB (NVML)", "parity", "status"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("rung", "dtype", "status", "parity") else "right",
                          overflow="fold")

@@ -1,12 +1,15 @@
 """The protocol's statistics and the parity verdicts, on real numbers."""
+import json
 import statistics
 
 import numpy as np
 import pytest
 import torch
 
+from harness import report
 from harness.parity import TOLERANCES, compare
 from harness.stats import summarize
+from tests.conftest import REPO
 
 
 def test_summary_matches_definitions():
@@ -57,3 +60,16 @@ def test_top1_checked_on_decisive_rows_only():
     out[0, 0] = ref[0, 1] - 1  # flips the decisive row's top-1
     verdict = compare(out, ref, "bf16")
     assert not verdict["ok"] and verdict["top1_agreement_decisive"] < 1
+
+
+def test_bound_tells_host_bound_from_gpu_bound_cells_of_the_committed_h100_run():
+    """On real H100 records: a CUDA-graph replay issues one launch, so it is GPU-bound at every batch; eager at
+    batch 1 issues ~170 kernels from Python and the GPU waits on it; CPU cells get no label."""
+    doc = json.loads((REPO / "results" / "nvidia-h100-80gb-hbm3" / "ladder.json").read_text())
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    assert all(report.bound(r) == "gpu" for r in ok if r["cuda_graph"])
+    eager_b1 = [r for r in ok if r["tier"] == "eager" and r["batch"] == 1 and not r["cuda_graph"]]
+    assert eager_b1 and all(report.bound(r) == "host" for r in eager_b1)
+    assert {report.bound(r) for r in ok if r["batch"] == 256 and r["dtype"] == "fp32"} == {"gpu"}
+    assert report.bound({**ok[0], "device": "cpu"}) is None
+    assert all(r["bound"] == report.bound(r) for r in report.document(ok, {}, {})["results"])
