@@ -5,6 +5,9 @@
 #   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
+# A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
+# device's $OUT) and ends with: cd /tmp/o && find . -name "*.json*" -o -name "*.md" -o -name "*.txt" | tar czf $OUT/o.tgz -T -
+# (run directories hold inputs and weights of hundreds of MB: never archive them whole).
 set -uo pipefail
 RUN=${RUN:-runs/gpu}
 OUT=${OUT:-/tmp/out}
