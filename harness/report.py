@@ -166,11 +166,11 @@ def markdown(doc: dict) -> str:
     lines += markdown_table(rows(doc["results"]))
     lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
               "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
-              "CPU time to issue one forward; bound = host where that is most of the latency (the figure then measures "
-              "the host and varies between processes), gpu otherwise; first result = load + build + first forward in a fresh process "
-              "(fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context included); alloc MiB = torch "
-              "allocator peak in steady state; parity rel err = max|out-ref|/max|ref| against eager fp32. "
-              "Full definitions and raw samples are in the JSON.", ""]
+              "CPU time to issue one forward; bound = host where that is most of the latency (the figure then "
+              "measures the host and varies between processes), gpu otherwise; first result = load + build + first "
+              "forward in a fresh process (fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context "
+              "included); alloc MiB = torch allocator peak in steady state; parity rel err = max|out-ref|/max|ref| "
+              "against eager fp32. Full definitions and raw samples are in the JSON.", ""]
     return "\n".join(lines)
 
 
