@@ -48,7 +48,7 @@ case "$1" in
     sweep cudnn bf16 256
     python3 -m harness micro --tier cudnn --batch 256 --res 224 --dtype bf16 --channels-last \
       --json "$OUT/micro_cudnn.json" --markdown "$OUT/micro_cudnn.md"
-    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/check_cudnn.py --sanitize 2>&1 | tee "$OUT/sanitizer.txt" ;;
+    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/sanitize_cudnn.py 2>&1 | tee "$OUT/sanitizer.txt" ;;
   triton-checks)  # lease B: the Triton rung's parity over shapes and its per-layer microbenchmark
     sweep triton bf16
     timeout -k 10 $((570 - ($(date +%s) - START))) python3 -m harness micro --tier triton --batch 256 --res 224 \

@@ -193,6 +193,16 @@ def failure_status(returncode: int, error_line: str | None, stderr_tail: str) ->
     return "crashed", f"exit code {returncode}: {last}"
 
 
+def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protocol: Protocol) -> list[str]:
+    """The child's command line under the contract of docs/protocol.md (files: weights, input, output, result)."""
+    return program + [
+        "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
+        "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)),
+        "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device,
+        *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
+        *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args()]
+
+
 def run_cell(run: RunDir, cell: Cell, protocol: Protocol, on_phase: Callable[[str], None] = lambda p: None,
              fresh_cache: bool = True, peak_tflops: dict | None = None) -> dict[str, Any]:
     """Runs one cell in a fresh process and returns its record (never raises for a rung's failure)."""
@@ -223,12 +233,7 @@ def run_cell(run: RunDir, cell: Cell, protocol: Protocol, on_phase: Callable[[st
         return {**record, "status": "unavailable", "reason": str(e)}
     except Exception as e:  # preparing the rung's files failed: recorded like any other failure of the cell
         return {**record, "status": "error", "reason": f"preparing {cell.tier}: {type(e).__name__}: {e}"}
-    argv = program + [
-        "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
-        "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)),
-        "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device,
-        *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
-        *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args()]
+    argv = contract_argv(program, cell, files, protocol)
     env = child_env(PYTHONUNBUFFERED="1")
     if fresh_cache:  # cold means cold: no Inductor / Triton cache from an earlier cell or run
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cdir / "inductor-cache")
