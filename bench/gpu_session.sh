@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host; blocks (lease C)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 # A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
@@ -18,7 +18,7 @@ Q="--channels-last --warmup-s 1 --min-time 0.5 --iters 30 --util-s 0.5 --e2e-ite
 ladder() {  # stops itself (Ctrl-C: cells already recorded stay) so that the call ends inside the device's limit
   local left=$((570 - ($(date +%s) - START)))
   [ "$left" -gt 20 ] || { echo "no time left for: $*"; return 0; }
-  COLUMNS=200 timeout -s INT -k 15 "$left" python3 -m harness ladder $Q "$@"
+  COLUMNS=200 timeout -s INT -k 15 "$left" ${PIN:-} python3 -m harness ladder $Q "$@"
 }
 sweep() {  # parity of rung $1 in dtypes $2 over batches $3 x resolutions: a one-iteration protocol, its timings no figures
   local left=$((570 - ($(date +%s) - START)))
@@ -63,7 +63,27 @@ case "$1" in
   trt)        # lease B (onnxruntime-gpu staged): what `tiers` says on the H100; the TensorRT rungs' cells
     COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
     ladder --tiers tensorrt,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
-  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt" >&2; exit 2 ;;
+  host)       # is the host steady? its CPUs alone (no GPU), then host-bound cells over 10 s windows, unpinned and
+              # pinned to one core (PIN), each with the plain loop right after
+    { lscpu; nvidia-smi topo -m; cat /proc/loadavg; ps -eo pcpu,rss,comm --sort=-pcpu | head -8
+      grep MHz /proc/cpuinfo | sort | uniq -c; cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor; } \
+      > "$OUT/host_facts.txt" 2>&1
+    python3 bench/host_noise.py --cpus 0,4,8,12 --seconds 20 --json "$OUT/host_noise.json"
+    for pin in "" "taskset -c 3"; do
+      tag=${pin:+-pinned}
+      PIN=$pin ladder --tiers eager,compile --batch 1 --dtype bf16 --min-time 10 --out "$RUN$tag"
+      python3 -m harness report "$RUN$tag/results.jsonl" --json "$OUT/ladder$tag.json" --markdown "$OUT/ladder$tag.md" >/dev/null
+      $pin python3 bench/plain_loop.py --batch 1 --dtype bf16 --channels-last --min-time-s 10 \
+        --compare "$OUT/ladder$tag.json" --json "$OUT/plain_loop$tag.json"
+    done ;;
+  blocks)     # lease C (issue the call until both plain loops ran): eager and compile over the issue's grid with
+              # the block protocol (5 blocks on 5 CPUs, 2.5 s), then the plain loop right after, as often as time allows
+    ladder --tiers eager,compile --batch 1,32,256 --dtype bf16,fp32,tf32 --min-time 2.5
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    left=$((570 - ($(date +%s) - START)))
+    [ "$left" -gt 300 ] && timeout -k 10 "$left" python3 bench/plain_loop.py --batch 1,32,256 --dtype bf16,fp32,tf32 \
+      --channels-last --min-time-s 2.5 --compare "$OUT/ladder.json" --json "$OUT/plain_loop_$(date +%H%M%S).json" ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host blocks" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

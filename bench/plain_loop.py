@@ -3,14 +3,19 @@ no measurement code with the harness. Run it right after the ladder on the same 
 
     python3 bench/plain_loop.py --batch 1,32,256 --dtype fp32,tf32,bf16 --channels-last \
         --compare runs/resnet50-cuda/ladder.json --json out.json
+
+Like the ladder it times in blocks, each with this thread pinned to another CPU, and reports the median of all
+samples and the median of the fastest block (the ladder's `latency_blocks.best_median_ms`).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,24 +24,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.model import build_model  # noqa: E402  (the same seeded network; the timing below is independent)
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+AGREE = 0.05
 
 
-def time_forward(fn, x, warmup: int = 50, iters: int = 200) -> float:
+def time_blocks(fn, x, iters: int, min_time_s: float, blocks: int, warmup: int = 50) -> list[tuple[int, list[float]]]:
+    """(cpu, samples) per block: at least iters / blocks forwards and min_time_s / blocks seconds in each."""
     for _ in range(warmup):
         fn(x)
     torch.cuda.synchronize()
-    times = []
+    cpus = sorted(os.sched_getaffinity(0))
+    out = []
     gc.collect()
     gc.disable()  # as timeit does: no collector pauses inside the timed loop
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    for k in range(blocks):
+        cpu = cpus[k * len(cpus) // blocks]
+        os.sched_setaffinity(0, {cpu})
+        times: list[float] = []
+        t0 = time.perf_counter()
+        while len(times) < iters / blocks or time.perf_counter() - t0 < min_time_s / blocks:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        out.append((cpu, times))
+    os.sched_setaffinity(0, set(cpus))
     gc.enable()
-    return statistics.median(times)
+    return out
+
+
+def ladder_record(ladder: list[dict], row: dict, args) -> dict | None:
+    for x in ladder:
+        if (x["tier"] == row["tier"] and x["batch"] == row["batch"] and x["dtype"] == row["dtype"]
+                and not x["cuda_graph"] and x["status"] == "ok" and x["channels_last"] == args.channels_last
+                and x["res"] == args.res and x.get("options", {}).get("compile-mode", "default") == "default"):
+            return x
+    return None
+
+
+def compare(rows: list[dict], ladder: list[dict], args) -> None:
+    print(f"\n{'tier':8s} {'batch':>5s} {'dtype':5s} {'bound':5s} | {'median: plain':>13s} {'ladder':>8s} "
+          f"{'diff':>7s} | {'best block: plain':>17s} {'ladder':>8s} {'diff':>7s}")
+    for r in rows:
+        rec = ladder_record(ladder, r, args)
+        if rec is None:
+            continue
+        r["ladder"] = {"median_ms": rec["latency_ms"]["median"], "bound": rec.get("bound"),
+                       "best_block_ms": (rec.get("latency_blocks") or {}).get("best_median_ms")}
+        line = f"{r['tier']:8s} {r['batch']:5d} {r['dtype']:5s} {str(rec.get('bound')):5s}"
+        for mine, theirs in (("median_ms", "median_ms"), ("best_block_ms", "best_block_ms")):
+            if r["ladder"][theirs] is None:
+                line += f" | {r[mine]:13.3f} {'-':>8s} {'':>7s}"
+                continue
+            diff = r["ladder"][theirs] / r[mine] - 1
+            r[f"diff_{mine.removesuffix('_ms')}"] = diff
+            flag = " " if abs(diff) <= AGREE else "!"
+            line += f" | {r[mine]:13.3f} {r['ladder'][theirs]:8.3f} {diff * 100:+6.1f}%{flag}"
+        print(line)
+    print(f"diff = ladder / plain - 1; ! = more than {AGREE:.0%} apart")
 
 
 def main() -> None:
@@ -46,6 +92,9 @@ def main() -> None:
     p.add_argument("--res", type=int, default=224)
     p.add_argument("--dtype", default="fp32,tf32,bf16")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--iters", type=int, default=200, help="at least this many timed forwards")
+    p.add_argument("--min-time-s", type=float, default=0.0, help="and at least this long")
+    p.add_argument("--blocks", type=int, default=5, help="timed in this many blocks, each on another CPU")
     p.add_argument("--compare", type=Path, help="ladder JSON to compare with")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -60,24 +109,26 @@ def main() -> None:
             compiled = torch.compile(model)
             with torch.inference_mode():
                 for tier, fn in (("eager", model), ("compile", compiled)):
-                    rows.append({"tier": tier, "batch": batch, "dtype": dtype, "median_ms": time_forward(fn, x)})
-                    print(rows[-1], flush=True)
+                    blocks = time_blocks(fn, x, args.iters, args.min_time_s, args.blocks)
+                    medians = [statistics.median(s) for _, s in blocks]
+                    rows.append({"tier": tier, "batch": batch, "dtype": dtype,
+                                 "median_ms": statistics.median([t for _, s in blocks for t in s]),
+                                 "best_block_ms": min(medians), "block_medians_ms": medians,
+                                 "cpus": [c for c, _ in blocks], "samples_ms": [s for _, s in blocks]})
+                    print({k: v for k, v in rows[-1].items() if k != "samples_ms"}, flush=True)
+                    save(rows, args)
     if args.compare:
-        ladder = json.loads(args.compare.read_text())["results"]
-        print(f"\n{'tier':8s} {'batch':>5s} {'dtype':5s} {'plain ms':>9s} {'ladder ms':>9s} {'diff %':>7s}")
-        for r in rows:
-            match = [x for x in ladder if x["tier"] == r["tier"] and x["batch"] == r["batch"]
-                     and x["dtype"] == r["dtype"] and not x["cuda_graph"] and x["status"] == "ok"
-                     and x["channels_last"] == args.channels_last and x["res"] == args.res
-                     and x.get("options", {}).get("compile-mode", "default") == "default"]
-            if match:
-                lm = match[0]["latency_ms"]["median"]
-                r["ladder_median_ms"] = lm
-                r["diff_pct"] = (lm - r["median_ms"]) / r["median_ms"] * 100
-                print(f"{r['tier']:8s} {r['batch']:5d} {r['dtype']:5s} {r['median_ms']:9.3f} {lm:9.3f} "
-                      f"{r['diff_pct']:+7.1f}")
+        compare(rows, json.loads(args.compare.read_text())["results"], args)
+        save(rows, args)
+
+
+def save(rows: list[dict], args) -> None:
+    """Written after every row, so a loop cut short by a time limit keeps what it measured."""
     if args.json:
-        what = "plain CUDA-event loop, median of 200 after 50 warm-up, garbage collector off while timing"
+        what = (f"plain CUDA-event loop after 50 warm-up forwards, garbage collector off while timing: >= "
+                f"{args.iters} forwards and >= {args.min_time_s} s in {args.blocks} blocks, each with the thread "
+                "pinned to another CPU; median_ms over all samples, best_block_ms = the fastest block's median; "
+                "raw samples per block in samples_ms; ladder = the ladder's figures for the same cell")
         args.json.write_text(json.dumps({"what": what, "rows": rows}, indent=1))
 
 

@@ -94,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is present")
     lad.add_argument("--iters", type=_positive_int, default=50, help="minimum timed iterations per cell")
     lad.add_argument("--min-time", type=float, default=1.0, help="minimum seconds of timed iterations per cell")
+    lad.add_argument("--blocks", type=_positive_int, default=5,
+                     help="latency pass in this many blocks, each on a different CPU (see docs/protocol.md)")
     lad.add_argument("--warmup-max", type=_positive_int, default=200, help="most warm-up iterations")
     lad.add_argument("--warmup-s", type=float, default=3.0, help="most warm-up seconds (unless still under 10 calls)")
     lad.add_argument("--util-s", type=float, default=2.0, help="seconds of the utilisation pass")
@@ -187,8 +189,8 @@ def cmd_ladder(args) -> int:
         console.print("[red]--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu[/]")
         return 2
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
-                        min_time_s=args.min_time, util_s=args.util_s, e2e_iters=args.e2e_iters,
-                        timeout_s=args.timeout)
+                        min_time_s=args.min_time, blocks=args.blocks, util_s=args.util_s,
+                        e2e_iters=args.e2e_iters, timeout_s=args.timeout)
     run = RunDir(args.out or Path("runs") / f"{args.model}-{device}", args.model, device)
     meta_path = run.path / "run.json"
     if meta_path.exists():

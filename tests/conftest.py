@@ -11,13 +11,14 @@ REPO = Path(__file__).resolve().parent.parent
 FAST = ["--iters", "3", "--min-time", "0", "--warmup-max", "2", "--warmup-s", "0", "--util-s", "0.05"]
 
 
-def ladder(out: Path, *args: str, extra_tiers: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+def ladder(out: Path, *args: str, extra_tiers: bool = False, timeout: float = 900,
+           **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     if extra_tiers:
         env["LADDER_EXTRA_TIERS"] = "tests.failing_tiers"
     return subprocess.run([sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--out", str(out),
                            "--json", str(out / "ladder.json"), "--markdown", str(out / "ladder.md"), *FAST, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def records(out: Path) -> list[dict]:

@@ -1,5 +1,6 @@
 """The ladder end to end on the CPU: real rungs in real child processes, real reports."""
 import json
+import os
 import signal
 
 from tests.conftest import ladder, records
@@ -12,7 +13,20 @@ def test_python_rungs_pass_parity(python_rungs):
         assert r["status"] == "ok", (r["tier"], r.get("reason"))
         assert r["parity"]["ok"] and r["parity"]["rel_err"] < 1e-4 and r["parity"]["cosine"] > 0.99999
         assert r["latency_ms"]["n"] == len(r["latency_samples_ms"]) >= 3
+        blocks = r["latency_blocks"]
+        assert sum(blocks["n"]) == r["latency_ms"]["n"] and len(blocks["cpus"]) == 5
+        allowed = os.sched_getaffinity(0)  # the blocks spread over the CPUs the run was given
+        assert set(blocks["cpus"]) <= allowed and len(set(blocks["cpus"])) == min(5, len(allowed))
+        assert blocks["best_median_ms"] == min(blocks["medians_ms"]) >= r["latency_ms"]["min"]
         assert r["throughput_img_s"] == r["batch"] / r["latency_ms"]["median"] * 1e3
+
+
+def test_latency_blocks_stay_on_the_cpus_the_run_was_given(tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    proc = ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32", "--blocks", "3",
+                  preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert records(tmp_path)[0]["latency_blocks"]["cpus"] == [cpu] * 3
 
 
 def test_json_schema(python_rungs):

@@ -2,6 +2,7 @@
 run both binaries through the whole child contract on the CPU at a small size, compare with eager PyTorch."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,14 +12,15 @@ import pytest
 import torch
 
 from harness.model import build_model, make_input, read_tensor, write_input, write_weights
+from harness.runner import Protocol, contract_argv
 from tiers.base import Cell
 from tiers.libtorch import TIERS
 
 RESULT_KEYS = {"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory", "util",
                "rss_peak_bytes"}
-# The contract's options at a size that keeps each run to seconds on a small CPU.
-TINY = {"warmup-min": 1, "warmup-max": 2, "warmup-s": 0.01, "iters": 2, "min-time-s": 0.01, "max-iters": 3,
-        "pipelined-iters": 2, "e2e-iters": 1, "util-s": 0.01}
+# The contract's options at a size that keeps each run to seconds on a small CPU; two latency blocks (two CPUs).
+TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=4, blocks=2,
+                pipelined_iters=2, e2e_iters=1, util_s=0.01)
 LIBTORCH, TORCHSCRIPT_CPP = TIERS
 
 pytestmark = pytest.mark.skipif(LIBTORCH.availability("cpu") is not None,
@@ -49,12 +51,9 @@ def run_child(program: list[str], cell: Cell, files: dict[str, Path], weights: P
               options: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     out = files["dir"] / cell.tier
     out.mkdir(exist_ok=True)
-    argv = [*program, "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
-            "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)), "--cuda-graph",
-            str(int(cell.cuda_graph)), "--device", cell.device, "--weights", str(weights or files["resnet50"]),
-            "--input", str(files["input"]), "--output", str(out / "output.safetensors"),
-            "--result", str(out / "result.json"), *(a for k, v in TINY.items() for a in (f"--{k}", str(v))),
-            *(a for k, v in (options or {}).items() for a in ("--option", f"{k}={v}"))]
+    cell = dataclasses.replace(cell, options=tuple((options or {}).items()))
+    argv = contract_argv(program, cell, {"weights": weights or files["resnet50"], "input": files["input"],
+                                         "output": out / "output.safetensors", "result": out / "result.json"}, TINY)
     # One thread: the test machine's cores may be busy, and two spinning OpenMP threads then cost 50x.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600), out
@@ -66,7 +65,10 @@ def check_contract(proc: subprocess.CompletedProcess, out: Path, files: dict[str
     assert phases == ["load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "done"]
     result = json.loads((out / "result.json").read_text())
     assert set(result) == RESULT_KEYS
-    assert len(result["latency"]["samples_ms"]) >= TINY["iters"]
+    samples, blocks = result["latency"]["samples_ms"], result["latency"]["blocks"]
+    assert len(samples) >= TINY.iters and sum(b["n"] for b in blocks) == len(samples)
+    allowed = sorted(os.sched_getaffinity(0))
+    assert [b["cpu"] for b in blocks] == [allowed[0], allowed[len(allowed) // 2]]  # spread over the allowed CPUs
     assert result["memory"]["allocator_peak_bytes"] is None  # the CPU has no caching-allocator figures
     logits, reference = read_tensor(out / "output.safetensors", "output"), torch.load(files["reference"])
     assert logits.shape == reference.shape == (2, 1000)
