@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host; blocks (lease C)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 # A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
@@ -63,12 +63,12 @@ case "$1" in
   trt)        # lease B (onnxruntime-gpu staged): what `tiers` says on the H100; the TensorRT rungs' cells
     COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
     ladder --tiers tensorrt,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
-  host)       # is the host steady? its CPUs alone (no GPU), then host-bound cells over 10 s windows, unpinned and
-              # pinned to one core (PIN), each with the plain loop right after
+  host)       # lease 5 (session 3): is the host steady? its CPUs alone (no GPU), then host-bound cells over 10 s
+              # windows, unpinned and pinned to one core (PIN), each with the plain loop right after
     { lscpu; nvidia-smi topo -m; cat /proc/loadavg; ps -eo pcpu,rss,comm --sort=-pcpu | head -8
       grep MHz /proc/cpuinfo | sort | uniq -c; cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor; } \
       > "$OUT/host_facts.txt" 2>&1
-    python3 bench/host_noise.py --cpus 0,4,8,12 --seconds 20 --json "$OUT/host_noise.json"
+    python3 -m harness.host_noise --cpus 0,4,8,12 --seconds 20 --json "$OUT/host_noise.json"
     for pin in "" "taskset -c 3"; do
       tag=${pin:+-pinned}
       PIN=$pin ladder --tiers eager,compile --batch 1 --dtype bf16 --min-time 10 --out "$RUN$tag"
@@ -76,14 +76,25 @@ case "$1" in
       $pin python3 bench/plain_loop.py --batch 1 --dtype bf16 --channels-last --min-time-s 10 \
         --compare "$OUT/ladder$tag.json" --json "$OUT/plain_loop$tag.json"
     done ;;
-  blocks)     # lease C (issue the call until both plain loops ran): eager and compile over the issue's grid with
-              # the block protocol (5 blocks on 5 CPUs, 2.5 s), then the plain loop right after, as often as time allows
+  grid)       # lease 6 (session 3; issue the call until two plain loops ran): eager and compile over the issue's grid
+              # (2.5 s a cell), then the plain loop right after, as often as time allows
     ladder --tiers eager,compile --batch 1,32,256 --dtype bf16,fp32,tf32 --min-time 2.5
     python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
     left=$((570 - ($(date +%s) - START)))
     [ "$left" -gt 300 ] && timeout -k 10 "$left" python3 bench/plain_loop.py --batch 1,32,256 --dtype bf16,fp32,tf32 \
       --channels-last --min-time-s 2.5 --compare "$OUT/ladder.json" --json "$OUT/plain_loop_$(date +%H%M%S).json" ;;
-  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host blocks" >&2; exit 2 ;;
+  long)       # lease 7 (session 3): do long windows steady host-bound cells? eager and compile at batch 1 for 20 s,
+              # ladder then plain loop, twice
+    for i in 1 2; do
+      ladder --tiers eager,compile --batch 1 --dtype bf16 --min-time 20 --out "$RUN-long$i"
+      python3 -m harness report "$RUN-long$i/results.jsonl" --json "$OUT/ladder-long$i.json" >/dev/null
+      timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/plain_loop.py --batch 1 --dtype bf16 \
+        --channels-last --min-time-s 20 --compare "$OUT/ladder-long$i.json" --json "$OUT/plain_loop-long$i.json"
+    done ;;
+  ort)        # onnxruntime-gpu staged (source /tmp/stage-install.sh first): what `tiers` says, then both ORT rungs
+    COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
+    ladder --tiers onnxruntime,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

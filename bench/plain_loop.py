@@ -3,16 +3,12 @@ no measurement code with the harness. Run it right after the ladder on the same 
 
     python3 bench/plain_loop.py --batch 1,32,256 --dtype fp32,tf32,bf16 --channels-last \
         --compare runs/resnet50-cuda/ladder.json --json out.json
-
-Like the ladder it times in blocks, each with this thread pinned to another CPU, and reports the median of all
-samples and the median of the fastest block (the ladder's `latency_blocks.best_median_ms`).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,31 +23,24 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "
 AGREE = 0.05
 
 
-def time_blocks(fn, x, iters: int, min_time_s: float, blocks: int, warmup: int = 50) -> list[tuple[int, list[float]]]:
-    """(cpu, samples) per block: at least iters / blocks forwards and min_time_s / blocks seconds in each."""
+def time_forward(fn, x, iters: int, min_time_s: float, warmup: int = 50) -> list[float]:
+    """ms per forward: at least `iters` forwards and `min_time_s` seconds, after `warmup` forwards."""
     for _ in range(warmup):
         fn(x)
     torch.cuda.synchronize()
-    cpus = sorted(os.sched_getaffinity(0))
-    out = []
+    times: list[float] = []
     gc.collect()
     gc.disable()  # as timeit does: no collector pauses inside the timed loop
-    for k in range(blocks):
-        cpu = cpus[k * len(cpus) // blocks]
-        os.sched_setaffinity(0, {cpu})
-        times: list[float] = []
-        t0 = time.perf_counter()
-        while len(times) < iters / blocks or time.perf_counter() - t0 < min_time_s / blocks:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out.append((cpu, times))
-    os.sched_setaffinity(0, set(cpus))
+    t0 = time.perf_counter()
+    while len(times) < iters or time.perf_counter() - t0 < min_time_s:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
     gc.enable()
-    return out
+    return times
 
 
 def ladder_record(ladder: list[dict], row: dict, args) -> dict | None:
@@ -64,25 +53,16 @@ def ladder_record(ladder: list[dict], row: dict, args) -> dict | None:
 
 
 def compare(rows: list[dict], ladder: list[dict], args) -> None:
-    print(f"\n{'tier':8s} {'batch':>5s} {'dtype':5s} {'bound':5s} | {'median: plain':>13s} {'ladder':>8s} "
-          f"{'diff':>7s} | {'best block: plain':>17s} {'ladder':>8s} {'diff':>7s}")
+    print(f"\n{'tier':8s} {'batch':>5s} {'dtype':5s} {'bound':5s} {'plain ms':>9s} {'ladder ms':>9s} {'diff':>7s}")
     for r in rows:
         rec = ladder_record(ladder, r, args)
         if rec is None:
             continue
-        r["ladder"] = {"median_ms": rec["latency_ms"]["median"], "bound": rec.get("bound"),
-                       "best_block_ms": (rec.get("latency_blocks") or {}).get("best_median_ms")}
-        line = f"{r['tier']:8s} {r['batch']:5d} {r['dtype']:5s} {str(rec.get('bound')):5s}"
-        for mine, theirs in (("median_ms", "median_ms"), ("best_block_ms", "best_block_ms")):
-            if r["ladder"][theirs] is None:
-                line += f" | {r[mine]:13.3f} {'-':>8s} {'':>7s}"
-                continue
-            diff = r["ladder"][theirs] / r[mine] - 1
-            r[f"diff_{mine.removesuffix('_ms')}"] = diff
-            flag = " " if abs(diff) <= AGREE else "!"
-            line += f" | {r[mine]:13.3f} {r['ladder'][theirs]:8.3f} {diff * 100:+6.1f}%{flag}"
-        print(line)
-    print(f"diff = ladder / plain - 1; ! = more than {AGREE:.0%} apart")
+        r["ladder_median_ms"], r["ladder_bound"] = rec["latency_ms"]["median"], rec.get("bound")
+        r["diff"] = r["ladder_median_ms"] / r["median_ms"] - 1
+        print(f"{r['tier']:8s} {r['batch']:5d} {r['dtype']:5s} {str(r['ladder_bound']):5s} {r['median_ms']:9.3f} "
+              f"{r['ladder_median_ms']:9.3f} {r['diff'] * 100:+6.1f}%{'!' if abs(r['diff']) > AGREE else ''}")
+    print(f"diff = ladder / plain - 1; ! = more than {AGREE:.0%} apart; bound = the ladder's label for the cell")
 
 
 def main() -> None:
@@ -94,7 +74,6 @@ def main() -> None:
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--iters", type=int, default=200, help="at least this many timed forwards")
     p.add_argument("--min-time-s", type=float, default=0.0, help="and at least this long")
-    p.add_argument("--blocks", type=int, default=5, help="timed in this many blocks, each on another CPU")
     p.add_argument("--compare", type=Path, help="ladder JSON to compare with")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -109,12 +88,9 @@ def main() -> None:
             compiled = torch.compile(model)
             with torch.inference_mode():
                 for tier, fn in (("eager", model), ("compile", compiled)):
-                    blocks = time_blocks(fn, x, args.iters, args.min_time_s, args.blocks)
-                    medians = [statistics.median(s) for _, s in blocks]
-                    rows.append({"tier": tier, "batch": batch, "dtype": dtype,
-                                 "median_ms": statistics.median([t for _, s in blocks for t in s]),
-                                 "best_block_ms": min(medians), "block_medians_ms": medians,
-                                 "cpus": [c for c, _ in blocks], "samples_ms": [s for _, s in blocks]})
+                    samples = time_forward(fn, x, args.iters, args.min_time_s)
+                    rows.append({"tier": tier, "batch": batch, "dtype": dtype, "iters": len(samples),
+                                 "median_ms": statistics.median(samples), "samples_ms": samples})
                     print({k: v for k, v in rows[-1].items() if k != "samples_ms"}, flush=True)
                     save(rows, args)
     if args.compare:
@@ -125,10 +101,9 @@ def main() -> None:
 def save(rows: list[dict], args) -> None:
     """Written after every row, so a loop cut short by a time limit keeps what it measured."""
     if args.json:
-        what = (f"plain CUDA-event loop after 50 warm-up forwards, garbage collector off while timing: >= "
-                f"{args.iters} forwards and >= {args.min_time_s} s in {args.blocks} blocks, each with the thread "
-                "pinned to another CPU; median_ms over all samples, best_block_ms = the fastest block's median; "
-                "raw samples per block in samples_ms; ladder = the ladder's figures for the same cell")
+        what = (f"plain CUDA-event loop after 50 warm-up forwards, garbage collector off while timing: median of >= "
+                f"{args.iters} forwards and >= {args.min_time_s} s (raw samples in samples_ms); ladder_median_ms "
+                "and ladder_bound: the ladder's figure and label for the same cell; diff = ladder / plain - 1")
         args.json.write_text(json.dumps({"what": what, "rows": rows}, indent=1))
 
 

@@ -20,8 +20,8 @@ from harness.runner import Protocol, contract_argv  # noqa: E402
 from tiers.base import Cell  # noqa: E402
 from tiers.cudnn import TIER  # noqa: E402
 
-MINIMAL = Protocol(warmup_min=1, warmup_max=2, iters=2, min_time_s=0, max_iters=2, blocks=1, pipelined_iters=2,
-                   e2e_iters=1, util_s=0)
+MINIMAL = Protocol(warmup_min=1, warmup_max=2, iters=2, min_time_s=0, max_iters=2, pipelined_iters=2, e2e_iters=1,
+                   util_s=0)
 
 
 def main() -> int:

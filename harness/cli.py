@@ -94,8 +94,6 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is present")
     lad.add_argument("--iters", type=_positive_int, default=50, help="minimum timed iterations per cell")
     lad.add_argument("--min-time", type=float, default=1.0, help="minimum seconds of timed iterations per cell")
-    lad.add_argument("--blocks", type=_positive_int, default=5,
-                     help="latency pass in this many blocks, each on a different CPU (see docs/protocol.md)")
     lad.add_argument("--warmup-max", type=_positive_int, default=200, help="most warm-up iterations")
     lad.add_argument("--warmup-s", type=float, default=3.0, help="most warm-up seconds (unless still under 10 calls)")
     lad.add_argument("--util-s", type=float, default=2.0, help="seconds of the utilisation pass")
@@ -189,8 +187,8 @@ def cmd_ladder(args) -> int:
         console.print("[red]--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu[/]")
         return 2
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
-                        min_time_s=args.min_time, blocks=args.blocks, util_s=args.util_s,
-                        e2e_iters=args.e2e_iters, timeout_s=args.timeout)
+                        min_time_s=args.min_time, util_s=args.util_s, e2e_iters=args.e2e_iters,
+                        timeout_s=args.timeout)
     run = RunDir(args.out or Path("runs") / f"{args.model}-{device}", args.model, device)
     meta_path = run.path / "run.json"
     if meta_path.exists():
@@ -212,29 +210,38 @@ def cmd_ladder(args) -> int:
                   f"{args.model} on {device}")
     planned = {c.key for c in cells}
     records = {k: v for k, v in done.items() if k in planned}
+    interrupted = False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("ladder", total=len(todo))
-        for cell in todo:
-            progress.update(task, description=f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: starting")
+        try:
+            for cell in todo:
+                progress.update(task, description=f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: starting")
 
-            def on_phase(ph: str, cell=cell) -> None:
-                progress.update(task, description=f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: {ph}")
+                def on_phase(ph: str, cell=cell) -> None:
+                    progress.update(task, description=f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: {ph}")
 
-            rec = run_cell(run, cell, protocol, on_phase=on_phase, fresh_cache=not args.warm_cache,
-                           peak_tflops=meta.get("peak_tflops"))
-            run.append(rec)
-            records[cell.key] = rec
-            line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
-                    f"[red]{rec['status']}[/]: {rec.get('reason')}")
-            progress.console.print(f"  {cell.label:28s} b{cell.batch:<4d} r{cell.res:<4d} {cell.dtype:5s} {line}")
-            progress.advance(task)
+                rec = run_cell(run, cell, protocol, on_phase=on_phase, fresh_cache=not args.warm_cache,
+                               peak_tflops=meta.get("peak_tflops"))
+                run.append(rec)
+                records[cell.key] = rec
+                line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
+                        f"[red]{rec['status']}[/]: {rec.get('reason')}")
+                progress.console.print(f"  {cell.label:28s} b{cell.batch:<4d} r{cell.res:<4d} {cell.dtype:5s} {line}")
+                progress.advance(task)
+        except KeyboardInterrupt:  # the cell in flight is lost (its child is killed); every finished one is kept
+            interrupted = True
+    if interrupted:
+        console.print(f"[yellow]interrupted: {len(records)} of {len(cells)} cells recorded in {run.path}; "
+                      "the same command goes on from there[/]")
     ordered = [records[c.key] for c in cells if c.key in records]
     doc = report.document(ordered, meta["environment"], meta["protocol"], {"peak_tflops": meta.get("peak_tflops")})
     console.print(report.rich_table(ordered, title=f"{args.model} on {device_slug(meta['environment'])}"))
+    if meta["environment"].get("host_cpu"):
+        console.print(report.host_cpu_line(meta["environment"]["host_cpu"]))
     report.write(doc, args.json or run.path / "ladder.json", args.markdown or run.path / "ladder.md", args.csv)
     console.print(f"JSON: {args.json or run.path / 'ladder.json'}  markdown: {args.markdown or run.path / 'ladder.md'}")
-    return 0
+    return 130 if interrupted else 0
 
 
 def cmd_report(args) -> int:

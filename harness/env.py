@@ -7,6 +7,8 @@ import platform
 import socket
 from typing import Any
 
+from harness.host_noise import host_cpu_probe
+
 # Datasheet dense (no sparsity) peaks in TFLOP/s, for 'share of peak'; the run also measures cuBLAS's rate.
 DATASHEET_PEAK_TFLOPS = {
     "H100 80GB HBM3": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},  # SXM5
@@ -71,6 +73,7 @@ def environment(device: str) -> dict[str, Any]:
         "tensorrt": _version("tensorrt"),
         "device": device,
         "gpu": None,
+        "host_cpu": host_cpu_probe(),
     }
     try:
         import onnxruntime

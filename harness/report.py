@@ -25,12 +25,6 @@ DEFINITIONS = {
     "latency_ms": "warm per-iteration time of one forward (device-resident input, output left on device), CUDA "
                   "events recorded on the stream the rung issues its work on, one sync per iteration; statistics "
                   "over latency_samples_ms (raw). On the CPU: host wall clock",
-    "latency_blocks": "the latency pass in consecutive blocks, the thread issuing forwards pinned to a different CPU "
-                      "in each (cpus, n samples per block): medians_ms per block; best_median_ms = the fastest "
-                      "block's median, the rung on the least disturbed CPU (a VM's CPU can run up to 2x slow for "
-                      "seconds at a time while its neighbours work: bench/host_noise.py measures it; in host-bound "
-                      "cells this is the figure that repeats, as timeit takes the best of its repeats); spread = "
-                      "slowest / fastest block median - 1, how much the host moved during the cell",
     "throughput_img_s": "batch / median latency: synchronous, one batch at a time",
     "pipelined": "forwards issued back to back with no sync, one event pair around all: ms_per_iter and "
                  "throughput_img_s when host and GPU overlap",
@@ -53,8 +47,9 @@ DEFINITIONS = {
               "dense peak for the cell's dtype",
     "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
              f"{HOST_BOUND:.0%} of its latency median: the GPU waited on the host, so the latency measures the "
-             "host's speed and moves with it (on the H100 VM of results/, by tens of percent between processes); "
-             "'gpu' otherwise; null on the CPU or without a result",
+             "host's speed and moves with it (environment.host_cpu says how steady the host was; on the H100 VM "
+             "of results/ such cells moved by tens of percent between runs); 'gpu' otherwise; null on the CPU or "
+             "without a result",
     "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
                    "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
 }
@@ -118,7 +113,6 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "dtype": r["dtype"] + ("/cl" if r["channels_last"] else ""),
             "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
             "median ms": _fmt(lat.get("median"), ".3f") if ok else "",
-            "best block ms": _fmt((r.get("latency_blocks") or {}).get("best_median_ms"), ".3f") if ok else "",
             "p99 ms": _fmt(lat.get("p99"), ".3f") if ok else "",
             "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
             "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if ok else "",
@@ -149,6 +143,12 @@ def markdown_table(table: list[dict[str, Any]]) -> list[str]:
             + ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in table])
 
 
+def host_cpu_line(host: dict) -> str:
+    return (f"Host CPU at the start of the run: a fixed pure-Python chunk took {host['p10_ms']:.2f} ms (p10) to "
+            f"{host['p90_ms']:.2f} ms (p90) on {len(host['cpus'])} CPUs, p90/p10 = {host['p90_over_p10']:.2f} "
+            f"(1 = steady); host-bound cells move with the host.")
+
+
 def markdown(doc: dict) -> str:
     env = doc["environment"]
     gpu = env.get("gpu") or {}
@@ -167,13 +167,15 @@ def markdown(doc: dict) -> str:
             lines += [f"- run {i} ({(e.get('gpu') or {}).get('name', e.get('cpu'))}, torch {e.get('torch')}, ONNX "
                       f"Runtime {e.get('onnxruntime')}; {run['source']}): {', '.join(labels) or 'superseded'}"]
         lines += [""]
+    host = env.get("host_cpu")
+    if host:
+        lines += [host_cpu_line(host), ""]
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
     lines += markdown_table(rows(doc["results"]))
     lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
-              "sync per forward); best block = median of the fastest of the latency pass's blocks, each on another CPU "
-              "(what repeats where the host is unsteady); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
+              "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
               "CPU time to issue one forward; bound = host where that is most of the latency (the figure then "
               "measures the host and varies between processes), gpu otherwise; first result = load + build + first "
               "forward in a fresh process (fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context "
@@ -196,9 +198,8 @@ def rich_table(records: list[dict], title: str = "Tier ladder"):
     from rich.table import Table
 
     table = Table(title=title, header_style="bold")
-    cols = ["rung", "batch", "res", "dtype", "median ms", "best block ms", "p99 ms", "CV %", "img/s",
-            "pipelined img/s", "vs eager", "host us/call", "bound", "TFLOP/s", "first result s", "GPU MiB (NVML)",
-            "parity", "status"]
+    cols = ["rung", "batch", "res", "dtype", "median ms", "p99 ms", "CV %", "img/s", "pipelined img/s", "vs eager",
+            "host us/call", "bound", "TFLOP/s", "first result s", "GPU MiB (NVML)", "parity", "status"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("rung", "dtype", "status", "parity") else "right",
                          overflow="fold")

@@ -20,7 +20,7 @@ from harness import model as model_io
 from harness.env import gpu_handle
 from harness.flops import flops_per_image
 from harness.parity import compare
-from harness.stats import summarize, summarize_blocks
+from harness.stats import summarize
 from tiers import all_tiers
 from tiers.base import Cell, Unavailable
 
@@ -38,7 +38,6 @@ class Protocol:
     iters: int = 50
     min_time_s: float = 1.0
     max_iters: int = 2000
-    blocks: int = 5
     pipelined_iters: int = 50
     e2e_iters: int = 20
     util_s: float = 2.0
@@ -316,7 +315,6 @@ def finish_record(record: dict, cell: Cell, raw: dict, parity: dict, peak_tflops
     record["status"] = DONE
     record["latency_ms"] = lat
     record["latency_samples_ms"] = raw["latency"]["samples_ms"]
-    record["latency_blocks"] = summarize_blocks(raw["latency"]["samples_ms"], raw["latency"]["blocks"])
     record["throughput_img_s"] = cell.batch / lat["median"] * 1e3
     pipe = raw["pipelined"]
     record["pipelined"] = {"iters": pipe["iters"], "ms_per_iter": pipe["total_ms"] / pipe["iters"],

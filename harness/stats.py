@@ -20,14 +20,3 @@ def summarize(samples: list[float]) -> dict[str, float | int] | None:
         "cv": float(a.std(ddof=1) / mean) if a.size > 1 and mean > 0 else 0.0,
         "n": int(a.size),
     }
-
-
-def summarize_blocks(samples: list[float], blocks: list[dict]) -> dict:
-    """The latency pass block by block (each block on its own CPU): per-block medians, the fastest block's median
-    and the spread between blocks (slowest / fastest - 1)."""
-    medians, first = [], 0
-    for b in blocks:
-        medians.append(float(np.median(samples[first:first + b["n"]])))
-        first += b["n"]
-    return {"cpus": [b["cpu"] for b in blocks], "n": [b["n"] for b in blocks], "medians_ms": medians,
-            "best_median_ms": min(medians), "spread": max(medians) / min(medians) - 1}

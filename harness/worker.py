@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -107,25 +106,6 @@ class Clock:
         return self.a.elapsed_time(self.b)
 
 
-ALL_CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-
-
-def block_cpus(blocks: int) -> list[int | None]:
-    """One CPU per block of the latency pass, spread over the CPUs this process may use. A VM's CPU can run slow
-    for seconds while its neighbours work (docs/protocol.md); blocks on different CPUs expose that, and the
-    fastest block shows the rung on an undisturbed one. None where threads cannot be pinned."""
-    if ALL_CPUS is None:
-        return [None] * blocks
-    allowed = sorted(ALL_CPUS)
-    return [allowed[k * len(allowed) // blocks] for k in range(blocks)]
-
-
-def pin_thread(cpus: set[int] | None) -> None:
-    """Pins the calling thread (Linux: pid 0 = this thread), so only the thread issuing forwards moves."""
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-
-
 def _median(v: list[float]) -> float:
     s = sorted(v)
     n = len(s)
@@ -206,18 +186,10 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     phase("latency")
     lat: list[float] = []
     host: list[float] = []
-    blocks = []
-    nblocks = int(kv["blocks"])
-    n_min, n_max = math.ceil(int(kv["iters"]) / nblocks), max(1, int(kv["max-iters"]) // nblocks)
-    t_min = float(kv["min-time-s"]) / nblocks
-    for cpu in block_cpus(nblocks):
-        pin_thread({cpu} if cpu is not None else None)
-        first, t = len(lat), time.perf_counter()
-        while len(lat) - first < n_max and (len(lat) - first < n_min or time.perf_counter() - t < t_min):
-            lat.append(timed_call(host))
-        blocks.append({"cpu": cpu, "n": len(lat) - first})
-    pin_thread(ALL_CPUS)
-    result["latency"] = {"samples_ms": lat, "blocks": blocks}
+    t = time.perf_counter()
+    while len(lat) < int(kv["max-iters"]) and (len(lat) < int(kv["iters"]) or time.perf_counter() - t < float(kv["min-time-s"])):
+        lat.append(timed_call(host))
+    result["latency"] = {"samples_ms": lat}
     result["host"] = {"samples_us": host}
 
     phase("pipelined")

@@ -11,14 +11,17 @@ REPO = Path(__file__).resolve().parent.parent
 FAST = ["--iters", "3", "--min-time", "0", "--warmup-max", "2", "--warmup-s", "0", "--util-s", "0.05"]
 
 
-def ladder(out: Path, *args: str, extra_tiers: bool = False, timeout: float = 900,
-           **popen) -> subprocess.CompletedProcess:
+def ladder_command(out: Path, *args: str, extra_tiers: bool = False) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     if extra_tiers:
         env["LADDER_EXTRA_TIERS"] = "tests.failing_tiers"
-    return subprocess.run([sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--out", str(out),
-                           "--json", str(out / "ladder.json"), "--markdown", str(out / "ladder.md"), *FAST, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    return [sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--out", str(out),
+            "--json", str(out / "ladder.json"), "--markdown", str(out / "ladder.md"), *FAST, *args], env
+
+
+def ladder(out: Path, *args: str, extra_tiers: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+    argv, env = ladder_command(out, *args, extra_tiers=extra_tiers)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def records(out: Path) -> list[dict]:

@@ -18,9 +18,9 @@ from tiers.libtorch import TIERS
 
 RESULT_KEYS = {"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory", "util",
                "rss_peak_bytes"}
-# The contract's options at a size that keeps each run to seconds on a small CPU; two latency blocks (two CPUs).
-TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=4, blocks=2,
-                pipelined_iters=2, e2e_iters=1, util_s=0.01)
+# The contract's options at a size that keeps each run to seconds on a small CPU.
+TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=3, pipelined_iters=2,
+                e2e_iters=1, util_s=0.01)
 LIBTORCH, TORCHSCRIPT_CPP = TIERS
 
 pytestmark = pytest.mark.skipif(LIBTORCH.availability("cpu") is not None,
@@ -65,10 +65,7 @@ def check_contract(proc: subprocess.CompletedProcess, out: Path, files: dict[str
     assert phases == ["load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "done"]
     result = json.loads((out / "result.json").read_text())
     assert set(result) == RESULT_KEYS
-    samples, blocks = result["latency"]["samples_ms"], result["latency"]["blocks"]
-    assert len(samples) >= TINY.iters and sum(b["n"] for b in blocks) == len(samples)
-    allowed = sorted(os.sched_getaffinity(0))
-    assert [b["cpu"] for b in blocks] == [allowed[0], allowed[len(allowed) // 2]]  # spread over the allowed CPUs
+    assert len(result["latency"]["samples_ms"]) >= TINY.iters
     assert result["memory"]["allocator_peak_bytes"] is None  # the CPU has no caching-allocator figures
     logits, reference = read_tensor(out / "output.safetensors", "output"), torch.load(files["reference"])
     assert logits.shape == reference.shape == (2, 1000)

@@ -3,7 +3,6 @@
 // and this driver does the phases, the timing and the files exactly as harness/worker.py does for Python rungs.
 #pragma once
 #include <cuda_runtime.h>
-#include <sched.h>
 #include <sys/resource.h>
 #include <time.h>
 
@@ -101,30 +100,6 @@ inline double thread_cpu_us() {
   return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
 }
 
-// The latency pass runs in blocks, each with the calling thread pinned to another of the CPUs the process may use
-// (docs/protocol.md: a VM's CPU can run slow for seconds; the fastest block shows the rung on an undisturbed one).
-inline cpu_set_t thread_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) throw std::runtime_error("sched_getaffinity failed");
-  return set;
-}
-inline cpu_set_t one_cpu(int cpu) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  return set;
-}
-inline void pin_thread(const cpu_set_t& set) {  // pid 0: the calling thread only
-  if (sched_setaffinity(0, sizeof set, &set) != 0) throw std::runtime_error("sched_setaffinity failed");
-}
-inline std::vector<int> block_cpus(const cpu_set_t& allowed_set, int blocks) {
-  std::vector<int> allowed, out;
-  for (int c = 0; c < CPU_SETSIZE; ++c) if (CPU_ISSET(c, &allowed_set)) allowed.push_back(c);
-  for (int k = 0; k < blocks; ++k) out.push_back(allowed[k * allowed.size() / blocks]);
-  return out;
-}
-
 // Times a region on the rung's stream with CUDA events (GPU) or the host's steady clock (CPU).
 class RegionTimer {
  public:
@@ -212,28 +187,13 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
 
   phase("latency");
   std::vector<double> lat, host;
-  Json blocks = Json::array();
-  const int nblocks = a.i("blocks");
-  const size_t n_min = (a.i("iters") + nblocks - 1) / nblocks, n_max = std::max(1, a.i("max-iters") / nblocks);
-  const double t_min = a.d("min-time-s") / nblocks;
-  const cpu_set_t all_cpus = thread_cpus();
-  for (int cpu : block_cpus(all_cpus, nblocks)) {
-    pin_thread(one_cpu(cpu));
-    size_t first = lat.size();
-    t = now_s();
-    while (lat.size() - first < n_max && (lat.size() - first < n_min || now_s() - t < t_min)) {
-      double h = 0;
-      lat.push_back(timed_call(&h));
-      host.push_back(h);
-    }
-    Json block = Json::object();
-    block["cpu"] = cpu;
-    block["n"] = (int)(lat.size() - first);
-    blocks.push_back(block);
+  t = now_s();
+  while ((int)lat.size() < a.i("max-iters") && ((int)lat.size() < a.i("iters") || now_s() - t < a.d("min-time-s"))) {
+    double h = 0;
+    lat.push_back(timed_call(&h));
+    host.push_back(h);
   }
-  pin_thread(all_cpus);
-  Json latency = Json::object(); latency["samples_ms"] = Json(lat); latency["blocks"] = blocks;
-  result["latency"] = latency;
+  Json latency = Json::object(); latency["samples_ms"] = Json(lat); result["latency"] = latency;
   Json hostj = Json::object(); hostj["samples_us"] = Json(host); result["host"] = hostj;
 
   phase("pipelined");
