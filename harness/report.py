@@ -164,12 +164,13 @@ def markdown(doc: dict) -> str:
         for i, run in enumerate(runs):
             labels = sorted({r["label"] for r in doc["results"] if r.get("run") == i})
             e = run.get("environment") or {}
+            host = (e.get("host_cpu") or {}).get("p90_over_p10")
             lines += [f"- run {i} ({(e.get('gpu') or {}).get('name', e.get('cpu'))}, torch {e.get('torch')}, ONNX "
-                      f"Runtime {e.get('onnxruntime')}; {run['source']}): {', '.join(labels) or 'superseded'}"]
+                      f"Runtime {e.get('onnxruntime')}{f', host CPU p90/p10 {host:.2f}' if host else ''}; "
+                      f"{run['source']}): {', '.join(labels) or 'superseded'}"]
         lines += [""]
-    host = env.get("host_cpu")
-    if host:
-        lines += [host_cpu_line(host), ""]
+    elif env.get("host_cpu"):
+        lines += [host_cpu_line(env["host_cpu"]), ""]
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]

@@ -20,8 +20,10 @@ def test_python_rungs_pass_parity(python_rungs):
 def test_json_schema(python_rungs):
     doc = json.loads((python_rungs / "ladder.json").read_text())
     assert doc["schema_version"] == 1
-    for key in ("torch", "cudnn", "triton", "onnxruntime", "gpu", "cpu"):
+    for key in ("torch", "cudnn", "triton", "onnxruntime", "gpu", "cpu", "host_cpu"):
         assert key in doc["environment"]
+    host = doc["environment"]["host_cpu"]
+    assert 0 < host["p10_ms"] <= host["median_ms"] <= host["p90_ms"] and host["p90_over_p10"] >= 1
     assert set(doc["definitions"]) >= {"latency_ms", "memory", "cold", "parity", "e2e_ms", "host_overhead_us"}
     for r in doc["results"]:
         for key in ("tier", "batch", "res", "dtype", "status", "parity", "latency_ms", "throughput_img_s", "cold",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import report
+from harness import host_noise, report
 from harness.parity import TOLERANCES, compare
 from harness.stats import summarize
 from tests.conftest import REPO
@@ -73,3 +73,14 @@ def test_bound_tells_host_bound_from_gpu_bound_cells_of_the_committed_h100_run()
     assert {report.bound(r) for r in ok if r["batch"] == 256 and r["dtype"] == "fp32"} == {"gpu"}
     assert report.bound({**ok[0], "device": "cpu"}) is None
     assert all(r["bound"] == report.bound(r) for r in report.document(ok, {}, {})["results"])
+
+
+def test_host_noise_probe_times_every_cpu_it_is_given():
+    cpus = host_noise.spread_cpus(2)
+    series = host_noise.measure(cpus, seconds=0.5)
+    assert sorted(series) == sorted(cpus)
+    summary = host_noise.summarize(series)
+    assert summary["chunks"] == sum(len(s) for s in series.values()) > 0
+    assert 0 < summary["p10_ms"] <= summary["median_ms"] <= summary["p90_ms"]
+    w = host_noise.coincidence(series)
+    assert w["all_cpus_slow"] <= w["some_cpu_slow"] <= w["windows"]
