@@ -96,7 +96,8 @@ def host_cpu_probe(seconds: float = 2.0, cpus: int = 4) -> dict[str, Any]:
 
 def coincidence(series: dict[int, list[tuple[float, float]]], window_s: float = 0.1) -> dict[str, int]:
     """Per time window: did some CPU run slow, did all? (All at once points at the physical host.)"""
-    p10 = {c: summarize({c: s})["p10_ms"] for c, s in series.items()}
+    per_cpu = summarize(series)["per_cpu"]
+    p10 = {c: per_cpu[str(c)]["p10_ms"] for c in series}
     windows: dict[int, list[bool]] = {}
     for c, s in series.items():
         by_window: dict[int, list[float]] = {}
