@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends (session 4)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 # A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
@@ -94,7 +94,19 @@ case "$1" in
   ort)        # onnxruntime-gpu staged (source /tmp/stage-install.sh first): what `tiers` says, then both ORT rungs
     COLUMNS=200 python3 -m harness tiers | tee "$OUT/tiers.txt"
     ladder --tiers onnxruntime,ort-tensorrt --batch 1,32,256 --dtype fp32,tf32,bf16 ;;
-  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort" >&2; exit 2 ;;
+  ort-search) # session 4 (onnxruntime-gpu staged): the CUDA EP's three cuDNN algorithm searches side by side, with
+              # eager beside them (ORT fp32 b256 failed parity under EXHAUSTIVE, ORT's default, in leases 1 and 8)
+    ladder --tiers eager --batch 32,256 --dtype fp32,tf32
+    for search in EXHAUSTIVE HEURISTIC DEFAULT; do
+      ladder --tiers onnxruntime --batch 32,256 --dtype fp32,tf32 --option "onnxruntime:conv-algo-search=$search"
+    done ;;
+  loose-ends) # session 4: what earlier sessions left unrun on the GPU: Triton in fp16 (eager beside it), LibTorch in
+              # a CUDA graph, and bench/sanitize_cudnn.py itself
+    ladder --tiers eager --batch 1,32,256 --dtype fp16
+    ladder --tiers triton --batch 1,32,256 --dtype fp16 --cuda-graph both --warm-cache
+    ladder --tiers libtorch --batch 1,32,256 --dtype bf16 --cuda-graph both
+    timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/sanitize_cudnn.py 2>&1 | tee "$OUT/sanitizer.txt" ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

@@ -205,10 +205,10 @@ def cmd_ladder(args) -> int:
         meta_path.write_text(json.dumps(meta, indent=1))
     cells = plan(args, device)
     done = {} if args.rerun else run.done()
-    todo = [c for c in cells if c.key not in done]
+    todo = [c for c in cells if c.identity not in done]
     console.print(f"[bold]{len(cells)} cells[/] ({len(cells) - len(todo)} already recorded in {run.path}), "
                   f"{args.model} on {device}")
-    planned = {c.key for c in cells}
+    planned = {c.identity for c in cells}
     records = {k: v for k, v in done.items() if k in planned}
     interrupted = False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -224,7 +224,7 @@ def cmd_ladder(args) -> int:
                 rec = run_cell(run, cell, protocol, on_phase=on_phase, fresh_cache=not args.warm_cache,
                                peak_tflops=meta.get("peak_tflops"))
                 run.append(rec)
-                records[cell.key] = rec
+                records[cell.identity] = rec
                 line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
                         f"[red]{rec['status']}[/]: {rec.get('reason')}")
                 progress.console.print(f"  {cell.label:28s} b{cell.batch:<4d} r{cell.res:<4d} {cell.dtype:5s} {line}")
@@ -234,7 +234,7 @@ def cmd_ladder(args) -> int:
     if interrupted:
         console.print(f"[yellow]interrupted: {len(records)} of {len(cells)} cells recorded in {run.path}; "
                       "the same command goes on from there[/]")
-    ordered = [records[c.key] for c in cells if c.key in records]
+    ordered = [records[c.identity] for c in cells if c.identity in records]
     doc = report.document(ordered, meta["environment"], meta["protocol"], {"peak_tflops": meta.get("peak_tflops")})
     console.print(report.rich_table(ordered, title=f"{args.model} on {device_slug(meta['environment'])}"))
     if meta["environment"].get("host_cpu"):

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tiers.base import Cell
+
 SCHEMA_VERSION = 1
 
 HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (measured cells sit near 1 or <= 0.6)
@@ -220,8 +222,8 @@ def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Pat
 
 def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
     """Records from results.jsonl files (with their run.json) or earlier JSON documents; later files win on the
-    same cell key. Each record gets `run`, an index into meta['runs'] (source and environment of its run), so a
-    report merged from several machines says which machine measured what."""
+    same cell (`Cell.identity`). Each record gets `run`, an index into meta['runs'] (source and environment of its
+    run), so a report merged from several machines says which machine measured what."""
     by_key: dict[str, dict] = {}
     meta: dict[str, Any] = {"runs": []}
     for p in paths:
@@ -237,5 +239,5 @@ def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
         meta["runs"].append({"source": str(p), "environment": run_meta.get("environment"),
                              "peak_tflops": run_meta.get("peak_tflops")})
         for r in recs:
-            by_key[r["key"]] = {**r, "run": run}
+            by_key[Cell.of_record(r).identity] = {**r, "run": run}
     return list(by_key.values()), meta

@@ -142,7 +142,7 @@ class RunDir:
         return p
 
     def done(self) -> dict[str, dict]:
-        """Records already written, by cell key: a rerun skips cells measured (or failing parity, or skipped by
+        """Records already written, by cell identity: a rerun skips cells measured (or failing parity, or skipped by
         the rung) and tries again those that crashed, timed out, ran out of memory or were unavailable."""
         if not self.results.exists():
             return {}
@@ -151,7 +151,7 @@ class RunDir:
             if line.strip():
                 rec = json.loads(line)
                 if rec["status"] in ("ok", "parity-fail", "skipped"):
-                    out[rec["key"]] = rec
+                    out[Cell.of_record(rec).identity] = rec
         return out
 
     def append(self, record: dict) -> None:

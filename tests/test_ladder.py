@@ -1,7 +1,10 @@
 """The ladder end to end on the CPU: real rungs in real child processes, real reports."""
+import dataclasses
 import json
+import shutil
 import signal
 import subprocess
+import sys
 import time
 
 from tests.conftest import REPO, ladder, ladder_command, records
@@ -97,3 +100,37 @@ def test_unavailable_rung_is_reported_and_skipped_cells_say_why(tmp_path):
     assert proc.returncode == 0
     bf16 = next(r for r in records(tmp_path) if r["dtype"] == "bf16")
     assert bf16["status"] == "skipped" and "only fp32" in bf16["reason"]
+
+
+def test_report_merges_a_cell_run_with_its_rung_default_option_and_without(python_rungs, tmp_path):
+    """`--option onnxruntime:conv-algo-search=EXHAUSTIVE` (ORT's default) names the same cell as no option: a merged
+    report keeps the later run's record of it, and a real variant (HEURISTIC) as a cell of its own."""
+    from tiers.base import Cell
+
+    plain = next(r for r in records(python_rungs) if r["tier"] == "onnxruntime")
+
+    def variant(search):
+        cell = dataclasses.replace(Cell.of_record(plain), options=(("conv-algo-search", search),))
+        return {**plain, "key": cell.key, "label": cell.label, "options": dict(cell.options)}
+
+    runs = {"a": [plain], "b": [variant("EXHAUSTIVE"), variant("HEURISTIC")]}
+    for name, recs in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    merged = tmp_path / "merged.json"
+    proc = subprocess.run([sys.executable, "-m", "harness", "report", str(tmp_path / "a" / "results.jsonl"),
+                           str(tmp_path / "b" / "results.jsonl"), "--json", str(merged)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(merged.read_text())["results"]
+    assert sorted((r["label"], r["run"]) for r in out) == [("onnxruntime(EXHAUSTIVE)", 1), ("onnxruntime(HEURISTIC)", 1)]
+
+
+def test_resume_counts_an_option_at_its_rung_default_as_the_cell_already_run(python_rungs, tmp_path):
+    for name in ("results.jsonl", "run.json"):
+        shutil.copy(python_rungs / name, tmp_path / name)
+    proc = ladder(tmp_path, "--tiers", "onnxruntime", "--batch", "2", "--res", "32",
+                  "--option", "onnxruntime:conv-algo-search=EXHAUSTIVE")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "1 already recorded" in proc.stdout
+    assert (tmp_path / "results.jsonl").read_text() == (python_rungs / "results.jsonl").read_text()

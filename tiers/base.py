@@ -43,6 +43,22 @@ class Cell:
                 f"{self.dtype}/{layout}/{self.device}")
 
     @property
+    def identity(self) -> str:
+        """The key with every option at its rung's default left out: what makes two cells one measurement, for
+        resume and for merged reports (`--option onnxruntime:conv-algo-search=EXHAUSTIVE` and no option)."""
+        from tiers import all_tiers
+
+        rung = all_tiers().get(self.tier)
+        choices = rung.options if rung else {}
+        kept = tuple((k, v) for k, v in self.options if not (choices.get(k) and choices[k][0] == v))
+        return dataclasses.replace(self, options=kept).key
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> Cell:
+        fields = ("tier", "model", "batch", "res", "dtype", "channels_last", "cuda_graph", "device")
+        return cls(**{f: record[f] for f in fields}, options=tuple(sorted((record.get("options") or {}).items())))
+
+    @property
     def label(self) -> str:
         """Short rung label for tables: tier, its options and the CUDA-graph flag."""
         opts = ",".join(v for _, v in self.options)

@@ -27,6 +27,9 @@ class OnnxRuntime(PythonTier):
     name = "onnxruntime"
     summary = "ONNX Runtime (CUDA EP with IO binding on GPU; CPU EP on CPU)"
     provider = "CUDAExecutionProvider"
+    # How the CUDA EP picks each convolution's cuDNN algorithm: timing them all (ORT's default), cuDNN's heuristic,
+    # or always implicit-precomp GEMM. The choice moves both speed and fp32 rounding.
+    options = {"conv-algo-search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")}
 
     def availability(self, device):
         try:
@@ -45,7 +48,7 @@ class OnnxRuntime(PythonTier):
 
     def provider_options(self, cell, stream) -> dict:
         return {"device_id": str(torch.cuda.current_device()), "user_compute_stream": str(stream.cuda_stream),
-                "use_tf32": "1" if cell.dtype == "tf32" else "0", "cudnn_conv_algo_search": "EXHAUSTIVE",
+                "use_tf32": "1" if cell.dtype == "tf32" else "0", "cudnn_conv_algo_search": cell.option("conv-algo-search", "EXHAUSTIVE"),
                 "prefer_nhwc": "1" if cell.channels_last else "0"}
 
     def providers(self, cell, stream) -> list:

@@ -25,7 +25,7 @@ def preload_tensorrt() -> None:
 
 class OrtTensorRT(OnnxRuntime):
     name = "ort-tensorrt"
-    options = {"trt-max-batch": None}
+    options = {**OnnxRuntime.options, "trt-max-batch": None}  # the CUDA EP's option for nodes TensorRT rejects
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"
 
