@@ -1,4 +1,5 @@
-"""(Exploratory; ran as xp/clock_xp.py from the repository root on the H100 and is kept beside its data.)
+"""(Exploratory; ran as xp/clock_xp.py from the repository root on the H100 and is kept beside its data. Its C
+kernel `chain`, in xp/clockchain.c (not kept), is `clock_chain` of bench/host_resources.c: 16 dependent imuls.)
 Experiment: is the host's slowness its clock? Chain of dependent imuls (48 cycles a round) -> effective GHz,
 interleaved with the Python probe chunk (A) and with eager forwards (B)."""
 import ctypes, json, os, subprocess, sys, time
