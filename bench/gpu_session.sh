@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends (session 4)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends | interleave (session 4; interleave again in session 5)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 # A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
@@ -106,7 +106,14 @@ case "$1" in
     ladder --tiers triton --batch 1,32,256 --dtype fp16 --cuda-graph both --warm-cache
     ladder --tiers libtorch --batch 1,32,256 --dtype bf16 --cuda-graph both
     timeout -k 10 $((570 - ($(date +%s) - START))) python3 bench/sanitize_cudnn.py 2>&1 | tee "$OUT/sanitizer.txt" ;;
-  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends" >&2; exit 2 ;;
+  interleave) # session 4 (two calls: the ladder, then the plain loop): host-bound cells and a GPU-bound control (fp32
+              # b32); the plain loop alternates 0.25 s blocks with the ladder's own code in one process (same host)
+    ladder --tiers eager,compile --batch 1,32 --dtype bf16,tf32,fp32 --min-time 2.5
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    left=$((570 - ($(date +%s) - START)))
+    [ "$left" -gt 400 ] && timeout -k 10 "$left" python3 bench/plain_loop.py --batch 1,32 --dtype bf16,tf32,fp32 \
+      --channels-last --min-time-s 5 --interleave-s 0.25 --compare "$OUT/ladder.json" --json "$OUT/interleaved.json" ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends interleave" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

@@ -3,12 +3,18 @@ no measurement code with the harness. Run it right after the ladder on the same 
 
     python3 bench/plain_loop.py --batch 1,32,256 --dtype fp32,tf32,bf16 --channels-last \
         --compare runs/resnet50-cuda/ladder.json --json out.json
+
+On a host whose speed moves between processes, host-bound cells cannot agree that way (results/*/README.md).
+`--interleave-s S` then asks the narrower question, free of the host: in this one process it alternates blocks of
+S seconds of this loop and of the ladder's own code for the cell (the rung's build, the worker's timed forward
+and latency pass), plain-ladder-ladder-plain, so both see the same host; --min-time-s is the time of each side.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -18,6 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.model import build_model  # noqa: E402  (the same seeded network; the timing below is independent)
+from harness.worker import Clock, latency_pass, prepare_input, set_math_mode, timed_forward  # noqa: E402
+from tiers import get_tier  # noqa: E402
+from tiers.base import Cell  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 AGREE = 0.05
@@ -43,6 +52,35 @@ def time_forward(fn, x, iters: int, min_time_s: float, warmup: int = 50) -> list
     return times
 
 
+def interleaved(tier: str, plain_fn, x: torch.Tensor, dtype: str, args) -> dict:
+    """This loop and the ladder's code for the same cell, in alternating blocks of args.interleave_s seconds."""
+    cell = Cell(tier=tier, model=args.model, batch=x.shape[0], res=args.res, dtype=dtype,
+                channels_last=args.channels_last)
+    set_math_mode(dtype)
+    example = prepare_input(torch.randn(x.shape), cell)
+    built = get_tier(tier).build(build_model(args.model).eval(), example, cell)
+    ladder_call = timed_forward(built.forward, example, Clock(built.stream or torch.cuda.current_stream()))
+    time_forward(plain_fn, x, iters=1, min_time_s=0)  # both warmed up (and compiled) before the first block
+    latency_pass(ladder_call, 50, 0, 50)
+    blocks: dict[str, list[list[float]]] = {"plain": [], "ladder": []}
+    for r in range(math.ceil(args.min_time_s / args.interleave_s / 2) * 2):
+        for side in ("plain", "ladder") if r % 2 == 0 else ("ladder", "plain"):
+            if side == "plain":
+                blocks[side].append(time_forward(plain_fn, x, iters=1, min_time_s=args.interleave_s, warmup=0))
+            else:  # as the worker runs its timed phases: collector off
+                gc.collect()
+                gc.disable()
+                blocks[side].append(latency_pass(ladder_call, 1, args.interleave_s, 10**9)[0])
+                gc.enable()
+    plain, ladder = sum(blocks["plain"], []), sum(blocks["ladder"], [])
+    median, ladder_median = statistics.median(plain), statistics.median(ladder)
+    # The method's own floor: the plain loop against itself, its odd blocks against its even ones.
+    even, odd = (statistics.median(sum(blocks["plain"][i::2], [])) for i in (0, 1))
+    return {"median_ms": median, "samples_ms": plain, "ladder_code_median_ms": ladder_median,
+            "ladder_code_samples_ms": ladder, "block_lengths": {k: [len(b) for b in v] for k, v in blocks.items()},
+            "diff_interleaved": ladder_median / median - 1, "diff_plain_halves": odd / even - 1}
+
+
 def ladder_record(ladder: list[dict], row: dict, args) -> dict | None:
     for x in ladder:
         if (x["tier"] == row["tier"] and x["batch"] == row["batch"] and x["dtype"] == row["dtype"]
@@ -53,7 +91,8 @@ def ladder_record(ladder: list[dict], row: dict, args) -> dict | None:
 
 
 def compare(rows: list[dict], ladder: list[dict], args) -> None:
-    print(f"\n{'tier':8s} {'batch':>5s} {'dtype':5s} {'bound':5s} {'plain ms':>9s} {'ladder ms':>9s} {'diff':>7s}")
+    print(f"\n{'tier':8s} {'batch':>5s} {'dtype':5s} {'bound':5s} {'plain ms':>9s} {'ladder ms':>9s} {'diff':>7s}"
+          f"{'  interleaved  plain/plain' if args.interleave_s else ''}")
     for r in rows:
         rec = ladder_record(ladder, r, args)
         if rec is None:
@@ -61,8 +100,15 @@ def compare(rows: list[dict], ladder: list[dict], args) -> None:
         r["ladder_median_ms"], r["ladder_bound"] = rec["latency_ms"]["median"], rec.get("bound")
         r["diff"] = r["ladder_median_ms"] / r["median_ms"] - 1
         print(f"{r['tier']:8s} {r['batch']:5d} {r['dtype']:5s} {str(r['ladder_bound']):5s} {r['median_ms']:9.3f} "
-              f"{r['ladder_median_ms']:9.3f} {r['diff'] * 100:+6.1f}%{'!' if abs(r['diff']) > AGREE else ''}")
-    print(f"diff = ladder / plain - 1; ! = more than {AGREE:.0%} apart; bound = the ladder's label for the cell")
+              f"{r['ladder_median_ms']:9.3f} {pct(r['diff'])}"
+              + (f"  {pct(r['diff_interleaved']):>11s}  {pct(r['diff_plain_halves']):>11s}" if args.interleave_s else ""))
+    print(f"diff = ladder / plain - 1; ! = more than {AGREE:.0%} apart; bound = the ladder's label for the cell"
+          + ("; interleaved = the ladder's code against this loop in one process; plain/plain = this loop's odd "
+             "blocks against its even ones" if args.interleave_s else ""))
+
+
+def pct(diff: float) -> str:
+    return f"{diff * 100:+6.1f}%{'!' if abs(diff) > AGREE else ''}"
 
 
 def main() -> None:
@@ -74,6 +120,8 @@ def main() -> None:
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--iters", type=int, default=200, help="at least this many timed forwards")
     p.add_argument("--min-time-s", type=float, default=0.0, help="and at least this long")
+    p.add_argument("--interleave-s", type=float, default=0,
+                   help="alternate blocks of this many seconds with the ladder's own code in this process")
     p.add_argument("--compare", type=Path, help="ladder JSON to compare with")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -88,10 +136,14 @@ def main() -> None:
             compiled = torch.compile(model)
             with torch.inference_mode():
                 for tier, fn in (("eager", model), ("compile", compiled)):
-                    samples = time_forward(fn, x, args.iters, args.min_time_s)
-                    rows.append({"tier": tier, "batch": batch, "dtype": dtype, "iters": len(samples),
-                                 "median_ms": statistics.median(samples), "samples_ms": samples})
-                    print({k: v for k, v in rows[-1].items() if k != "samples_ms"}, flush=True)
+                    if args.interleave_s:
+                        row = interleaved(tier, fn, x, dtype, args)
+                    else:
+                        samples = time_forward(fn, x, args.iters, args.min_time_s)
+                        row = {"median_ms": statistics.median(samples), "samples_ms": samples}
+                    rows.append({"tier": tier, "batch": batch, "dtype": dtype, "iters": len(row["samples_ms"]), **row})
+                    print({k: v for k, v in rows[-1].items() if k not in ("samples_ms", "ladder_code_samples_ms",
+                                                                          "block_lengths")}, flush=True)
                     save(rows, args)
     if args.compare:
         compare(rows, json.loads(args.compare.read_text())["results"], args)
@@ -104,6 +156,11 @@ def save(rows: list[dict], args) -> None:
         what = (f"plain CUDA-event loop after 50 warm-up forwards, garbage collector off while timing: median of >= "
                 f"{args.iters} forwards and >= {args.min_time_s} s (raw samples in samples_ms); ladder_median_ms "
                 "and ladder_bound: the ladder's figure and label for the same cell; diff = ladder / plain - 1")
+        if args.interleave_s:
+            what += (f"; interleaved: blocks of {args.interleave_s} s of this loop and of the ladder's own code "
+                     "(rung build, worker timed forward and latency pass) alternating in one process, "
+                     "ladder_code_median_ms / median_ms - 1 = diff_interleaved; block_lengths: samples per block, "
+                     "in order; diff_plain_halves: this loop's odd blocks against its even ones (the method's floor)")
         args.json.write_text(json.dumps({"what": what, "rows": rows}, indent=1))
 
 

@@ -11,7 +11,7 @@ import resource
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -106,6 +106,33 @@ class Clock:
         return self.a.elapsed_time(self.b)
 
 
+def timed_forward(forward: Callable[[Any], Any], example: Any, clock: Clock) -> Callable[..., float]:
+    """One call of the latency pass: the forward between the clock's marks on the rung's stream; with a list, the
+    calling thread's CPU time inside forward() (issue only, the sync excluded) is appended to it in µs."""
+    def timed_call(host_us: list[float] | None = None) -> float:
+        clock.start()
+        c0 = time.thread_time_ns()
+        forward(example)
+        c1 = time.thread_time_ns()
+        clock.stop()
+        if host_us is not None:
+            host_us.append((c1 - c0) / 1e3)
+        return clock.elapsed_ms()
+
+    return timed_call
+
+
+def latency_pass(timed_call: Callable[..., float], iters: int, min_time_s: float,
+                 max_iters: int) -> tuple[list[float], list[float]]:
+    """At least `iters` calls and `min_time_s` seconds, at most `max_iters` calls: (ms, host µs) per call."""
+    lat: list[float] = []
+    host: list[float] = []
+    t = time.perf_counter()
+    while len(lat) < max_iters and (len(lat) < iters or time.perf_counter() - t < min_time_s):
+        lat.append(timed_call(host))
+    return lat, host
+
+
 def _median(v: list[float]) -> float:
     s = sorted(v)
     n = len(s)
@@ -155,16 +182,7 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     forward = built.forward
 
     clock = Clock(stream)
-
-    def timed_call(host_us: list[float] | None = None) -> float:
-        clock.start()
-        c0 = time.thread_time_ns()
-        forward(example)
-        c1 = time.thread_time_ns()
-        clock.stop()
-        if host_us is not None:
-            host_us.append((c1 - c0) / 1e3)
-        return clock.elapsed_ms()
+    timed_call = timed_forward(forward, example, clock)
 
     # As timeit does: no garbage-collector pauses inside the timed phases (collected once before, enabled after).
     gc.collect()
@@ -184,11 +202,7 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     result["warmup"] = {"iters": len(warm), "stable": stable}
 
     phase("latency")
-    lat: list[float] = []
-    host: list[float] = []
-    t = time.perf_counter()
-    while len(lat) < int(kv["max-iters"]) and (len(lat) < int(kv["iters"]) or time.perf_counter() - t < float(kv["min-time-s"])):
-        lat.append(timed_call(host))
+    lat, host = latency_pass(timed_call, int(kv["iters"]), float(kv["min-time-s"]), int(kv["max-iters"]))
     result["latency"] = {"samples_ms": lat}
     result["host"] = {"samples_us": host}
 
