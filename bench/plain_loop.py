@@ -114,6 +114,7 @@ def pct(diff: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="resnet50")
+    p.add_argument("--tiers", default="eager,compile", help="eager, compile or both")
     p.add_argument("--batch", default="1,32,256")
     p.add_argument("--res", type=int, default=224)
     p.add_argument("--dtype", default="fp32,tf32,bf16")
@@ -125,6 +126,9 @@ def main() -> None:
     p.add_argument("--compare", type=Path, help="ladder JSON to compare with")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    tiers = args.tiers.split(",")
+    if not tiers or set(tiers) - {"eager", "compile"}:
+        p.error(f"--tiers {args.tiers}: valid tiers are eager, compile")
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     rows = []
     for dtype in args.dtype.split(","):
@@ -136,6 +140,8 @@ def main() -> None:
             compiled = torch.compile(model)
             with torch.inference_mode():
                 for tier, fn in (("eager", model), ("compile", compiled)):
+                    if tier not in tiers:
+                        continue
                     if args.interleave_s:
                         row = interleaved(tier, fn, x, dtype, args)
                     else:
