@@ -4,6 +4,7 @@ no measurement code with the harness. Run it right after the ladder on the same 
     python3 bench/plain_loop.py --batch 1,32,256 --dtype fp32,tf32,bf16 --channels-last \
         --compare runs/resnet50-cuda/ladder.json --json out.json
 
+`--tiers eager` (or compile) checks one rung, e.g. right after the ladder's cell for it.
 On a host whose speed moves between processes, host-bound cells cannot agree that way (results/*/README.md).
 `--interleave-s S` then asks the narrower question, free of the host: in this one process it alternates blocks of
 S seconds of this loop and of the ladder's own code for the cell (the rung's build, the worker's timed forward
