@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends | interleave (session 4); adjacent (session 6)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends | interleave (session 4); adjacent | ort-default (session 6)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 # A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
@@ -113,6 +113,10 @@ case "$1" in
     left=$((570 - ($(date +%s) - START)))
     [ "$left" -gt 400 ] && timeout -k 10 "$left" python3 bench/plain_loop.py --batch 1,32 --dtype bf16,tf32,fp32 \
       --channels-last --min-time-s 5 --interleave-s 0.25 --compare "$OUT/ladder.json" --json "$OUT/interleaved.json" ;;
+  ort-default) # session 6 (onnxruntime-gpu staged): what ort-search ran out of time for, DEFAULT search in tf32 (and
+              # fp32 again) at b32 and b256, with eager beside it
+    ladder --tiers eager --batch 32,256 --dtype tf32,fp32
+    ladder --tiers onnxruntime --batch 32,256 --dtype tf32,fp32 --option "onnxruntime:conv-algo-search=DEFAULT" ;;
   adjacent)   # session 6 (DTYPES per call): each host-bound cell and the GPU-bound control, then the plain loop for that
               # one cell in a fresh process right after it: seconds apart, not the minutes of a whole ladder
     mkdir -p "$OUT/adjacent"
@@ -125,7 +129,7 @@ case "$1" in
       [ "$left" -gt 60 ] && timeout -k 10 "$left" python3 bench/plain_loop.py --tiers "$tier" --batch "$batch" \
         --dtype "$dtype" --channels-last --min-time-s 2.5 --compare "$OUT/ladder.json" --json "$plain"
     done; done; done ;;
-  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends interleave adjacent" >&2; exit 2 ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends interleave adjacent ort-default" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"
