@@ -13,6 +13,7 @@ and latency pass), plain-ladder-ladder-plain, so both see the same host; --min-t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -33,23 +34,32 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "
 AGREE = 0.05
 
 
+@contextlib.contextmanager
+def collector_off():
+    """As timeit does (and the ladder's worker): no garbage-collector pauses inside a timed loop."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def time_forward(fn, x, iters: int, min_time_s: float, warmup: int = 50) -> list[float]:
     """ms per forward: at least `iters` forwards and `min_time_s` seconds, after `warmup` forwards."""
     for _ in range(warmup):
         fn(x)
     torch.cuda.synchronize()
     times: list[float] = []
-    gc.collect()
-    gc.disable()  # as timeit does: no collector pauses inside the timed loop
-    t0 = time.perf_counter()
-    while len(times) < iters or time.perf_counter() - t0 < min_time_s:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    gc.enable()
+    with collector_off():
+        t0 = time.perf_counter()
+        while len(times) < iters or time.perf_counter() - t0 < min_time_s:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
     return times
 
 
@@ -68,11 +78,9 @@ def interleaved(tier: str, plain_fn, x: torch.Tensor, dtype: str, args) -> dict:
         for side in ("plain", "ladder") if r % 2 == 0 else ("ladder", "plain"):
             if side == "plain":
                 blocks[side].append(time_forward(plain_fn, x, iters=1, min_time_s=args.interleave_s, warmup=0))
-            else:  # as the worker runs its timed phases: collector off
-                gc.collect()
-                gc.disable()
-                blocks[side].append(latency_pass(ladder_call, 1, args.interleave_s, 10**9)[0])
-                gc.enable()
+            else:
+                with collector_off():
+                    blocks[side].append(latency_pass(ladder_call, 1, args.interleave_s, 10**9)[0])
     plain, ladder = sum(blocks["plain"], []), sum(blocks["ladder"], [])
     median, ladder_median = statistics.median(plain), statistics.median(ladder)
     # The method's own floor: the plain loop against itself, its odd blocks against its even ones.
