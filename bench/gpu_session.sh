@@ -2,7 +2,7 @@
 # The GPU runs behind results/<device>/, in groups that each fit one device call (<10 min) on one warm machine.
 # All groups record into one run directory (cell by cell; a group rerun skips recorded cells) and each group ends
 # by writing the merged JSON + markdown of everything recorded so far to $OUT.
-#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends | interleave (session 4); adjacent | ort-default (session 6)
+#   bash bench/gpu_session.sh GROUP   GROUP: cpp | cudnn | check | triton (lease A); ro-cudnn | triton-checks | recheck | trt (lease B); host | grid | long | ort (session 3); ort-search | loose-ends | interleave (session 4); adjacent | ort-default (session 6); final (session 7)
 # Each lease measures eager and compile again, so that every rung sits beside them in one run (RUN, one per lease).
 # A lease lasts at most 30 minutes and a warm machine waits only 30 s between calls: issue the calls back to back.
 # A device call brings back at most 8 files from its $OUT, so a call runs a group with OUT=/tmp/o (outside the
@@ -129,7 +129,15 @@ case "$1" in
       [ "$left" -gt 60 ] && timeout -k 10 "$left" python3 bench/plain_loop.py --tiers "$tier" --batch "$batch" \
         --dtype "$dtype" --channels-last --min-time-s 2.5 --compare "$OUT/ladder.json" --json "$plain"
     done; done; done ;;
-  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends interleave adjacent ort-default" >&2; exit 2 ;;
+  final)      # session 7 (issue the call until the plain loop has run): the issue's grid for eager, torchscript and
+              # compile at one commit (2.5 s a cell), then the plain loop right after it over the same grid
+    ladder --tiers eager,torchscript,compile --batch 1,32,256 --dtype fp32,tf32,bf16 --min-time 2.5
+    python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" >/dev/null
+    left=$((570 - ($(date +%s) - START)))
+    [ "$left" -gt 240 ] && [ ! -f "$OUT/plain_loop.json" ] && timeout -k 10 "$left" python3 bench/plain_loop.py \
+      --batch 1,32,256 --dtype fp32,tf32,bf16 --channels-last --min-time-s 2.5 --compare "$OUT/ladder.json" \
+      --json "$OUT/plain_loop.json" ;;
+  *) echo "unknown group $1; valid: cpp cudnn check triton ro-cudnn triton-checks recheck trt host grid long ort ort-search loose-ends interleave adjacent ort-default final" >&2; exit 2 ;;
 esac
 python3 -m harness report "$RUN/results.jsonl" --json "$OUT/ladder.json" --markdown "$OUT/ladder.md" >/dev/null
 cp "$RUN/results.jsonl" "$RUN/run.json" "$OUT/"

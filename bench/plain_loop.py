@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.env import source_revision, utc_now  # noqa: E402
 from harness.model import build_model  # noqa: E402  (the same seeded network; the timing below is independent)
 from harness.worker import Clock, latency_pass, prepare_input, set_math_mode, timed_forward  # noqa: E402
 from tiers import get_tier  # noqa: E402
@@ -32,6 +33,7 @@ from tiers.base import Cell  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 AGREE = 0.05
+STARTED = utc_now()
 
 
 @contextlib.contextmanager
@@ -176,7 +178,8 @@ def save(rows: list[dict], args) -> None:
                      "(rung build, worker timed forward and latency pass) alternating in one process, "
                      "ladder_code_median_ms / median_ms - 1 = diff_interleaved; block_lengths: samples per block, "
                      "in order; diff_plain_halves: this loop's odd blocks against its even ones (the method's floor)")
-        args.json.write_text(json.dumps({"what": what, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"what": what, "started_utc": STARTED, "source": source_revision(),
+                                         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,20 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness.env import files_digest
 from tiers.base import Unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("LADDER_CACHE", Path.home() / ".cache" / "tier-ladder"))
-
-
-def _source_digest(*dirs: Path) -> str:
-    h = hashlib.sha256()
-    for d in dirs:
-        for p in sorted(d.rglob("*")):
-            if p.is_file() and "build" not in p.parts:
-                h.update(str(p.relative_to(REPO)).encode())
-                h.update(p.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def require_tools(*tools: str) -> None:
@@ -38,7 +29,7 @@ def cmake_build(project: str, key: dict[str, str], cmake_args: list[str], target
     a different toolchain never reuses a stale build. Raises Unavailable with the build log's tail on failure."""
     require_tools("cmake")
     src = REPO / "cpp" / project
-    digest = _source_digest(src, REPO / "cpp" / "common")
+    digest = files_digest(src, REPO / "cpp" / "common")[:12]
     tag = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:8]
     build = CACHE / "build" / f"{project}-{tag}-{digest}"
     binary = build / target

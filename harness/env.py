@@ -1,10 +1,15 @@
 """The environment a result was measured in, and NVML access for the runner (which holds no CUDA context)."""
 from __future__ import annotations
 
+import datetime
+import functools
+import hashlib
 import importlib
 import os
 import platform
 import socket
+import subprocess
+from pathlib import Path
 from typing import Any
 
 from harness.host_noise import host_cpu_probe
@@ -54,10 +59,48 @@ def datasheet_peak(gpu_name: str | None) -> dict[str, float] | None:
     return None
 
 
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ("pyproject.toml", "harness", "tiers", "kernels", "cpp", "bench")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def files_digest(*paths: Path) -> str:
+    """sha256 over the files under `paths` (names and contents, in a fixed order), build outputs left out."""
+    h = hashlib.sha256()
+    for path in paths:
+        for f in sorted([path] if path.is_file() else path.rglob("*")):
+            if f.is_file() and not {"build", "__pycache__"} & set(f.relative_to(ROOT).parts):
+                h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def source_revision() -> dict[str, Any]:
+    """Which code measured: the git commit where the checkout has its .git, and always a digest of the source files
+    (the GPU machine gets a copy of the tree without .git). `git checkout C && python -c 'from harness.env import
+    source_revision; print(source_revision())'` tells whether commit C is the digest's code."""
+    out: dict[str, Any] = {"digest": files_digest(*(ROOT / p for p in SOURCE))[:16], "git_commit": None,
+                           "git_dirty": None}
+    try:
+        git = ["git", "-C", str(ROOT)]
+        out["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
+                                           check=True).stdout.strip()
+        out["git_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                               capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass  # no git, or no .git here: the digest still names the code
+    return out
+
+
 def environment(device: str) -> dict[str, Any]:
     import torch
 
     env: dict[str, Any] = {
+        "started_utc": utc_now(),
+        "source": source_revision(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "cpu": _cpu_model(),

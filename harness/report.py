@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import csv
-import datetime
 import io
 import json
 from pathlib import Path
 from typing import Any
 
+from harness.env import utc_now
 from tiers.base import Cell
 
 SCHEMA_VERSION = 1
@@ -52,6 +52,9 @@ DEFINITIONS = {
              "host's speed and moves with it (environment.host_cpu says how steady the host was; on the H100 VM "
              "of results/ such cells moved by tens of percent between runs); 'gpu' otherwise; null on the CPU or "
              "without a result",
+    "measured_at": "UTC time the cell's process was started",
+    "source": "digest of the project's source files that measured the cell (environment.source: the same digest, "
+              "with the git commit where the run had one; harness.env.source_revision)",
     "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
                    "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
 }
@@ -69,7 +72,7 @@ def document(records: list[dict], environment: dict, protocol: dict, extra: dict
     records = [{**r, "bound": bound(r)} for r in records]
     return {
         "schema_version": SCHEMA_VERSION,
-        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generated": utc_now(),
         "environment": environment,
         "protocol": protocol,
         **(extra or {}),

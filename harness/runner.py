@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harness import model as model_io
-from harness.env import gpu_handle
+from harness.env import gpu_handle, source_revision, utc_now
 from harness.flops import flops_per_image
 from harness.parity import compare
 from harness.stats import summarize
@@ -292,7 +292,8 @@ def run_cell(run: RunDir, cell: Cell, protocol: Protocol, on_phase: Callable[[st
 
 def base_record(cell: Cell) -> dict[str, Any]:
     d = cell.to_dict()
-    return {"key": cell.key, "label": cell.label, **d, "status": None, "reason": None, "parity": {"ok": None}}
+    return {"key": cell.key, "label": cell.label, **d, "status": None, "reason": None, "parity": {"ok": None},
+            "measured_at": utc_now(), "source": source_revision()["digest"]}
 
 
 def finish_record(record: dict, cell: Cell, raw: dict, parity: dict, peak_tflops: dict | None) -> dict:

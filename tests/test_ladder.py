@@ -1,5 +1,6 @@
 """The ladder end to end on the CPU: real rungs in real child processes, real reports."""
 import dataclasses
+import datetime
 import json
 import shutil
 import signal
@@ -27,8 +28,16 @@ def test_json_schema(python_rungs):
         assert key in doc["environment"]
     host = doc["environment"]["host_cpu"]
     assert 0 < host["p10_ms"] <= host["median_ms"] <= host["p90_ms"] and host["p90_over_p10"] >= 1
-    assert set(doc["definitions"]) >= {"latency_ms", "memory", "cold", "parity", "e2e_ms", "host_overhead_us"}
+    assert set(doc["definitions"]) >= {"latency_ms", "memory", "cold", "parity", "e2e_ms", "host_overhead_us",
+                                       "measured_at", "source"}
+    source = doc["environment"]["source"]
+    assert len(source["digest"]) == 16
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert source["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
     for r in doc["results"]:
+        assert r["source"] == source["digest"]
+        assert datetime.datetime.fromisoformat(r["measured_at"]) >= datetime.datetime.fromisoformat(
+            doc["environment"]["started_utc"])
         for key in ("tier", "batch", "res", "dtype", "status", "parity", "latency_ms", "throughput_img_s", "cold",
                     "memory", "host_overhead_us", "pipelined", "tflops", "build_stats", "stream"):
             assert key in r, key
