@@ -80,7 +80,7 @@ def files_digest(*paths: Path) -> str:
 @functools.cache
 def source_revision() -> dict[str, Any]:
     """Which code measured: the git commit where the checkout has its .git, and always a digest of the source files
-    (the GPU machine gets a copy of the tree without .git). `git checkout C && python -c 'from harness.env import
+    (a copied tree can carry an older .git: then git_dirty is true and only the digest names the code). `git checkout C && python -c 'from harness.env import
     source_revision; print(source_revision())'` tells whether commit C is the digest's code."""
     out: dict[str, Any] = {"digest": files_digest(*(ROOT / p for p in SOURCE))[:16], "git_commit": None,
                            "git_dirty": None}
