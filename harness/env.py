@@ -80,8 +80,8 @@ def files_digest(*paths: Path) -> str:
 @functools.cache
 def source_revision() -> dict[str, Any]:
     """Which code measured: the git commit where the checkout has its .git, and always a digest of the source files
-    (a copied tree can carry an older .git: then git_dirty is true and only the digest names the code). `git checkout C && python -c 'from harness.env import
-    source_revision; print(source_revision())'` tells whether commit C is the digest's code."""
+    (a copied tree can carry an older .git: then git_dirty is true and only the digest names the code).
+    Computing it in a checkout of commit C tells whether C is the digest's code."""
     out: dict[str, Any] = {"digest": files_digest(*(ROOT / p for p in SOURCE))[:16], "git_commit": None,
                            "git_dirty": None}
     try:

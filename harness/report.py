@@ -52,7 +52,7 @@ DEFINITIONS = {
              "host's speed and moves with it (environment.host_cpu says how steady the host was; on the H100 VM "
              "of results/ such cells moved by tens of percent between runs); 'gpu' otherwise; null on the CPU or "
              "without a result",
-    "measured_at": "UTC time the cell's process was started",
+    "measured_at": "UTC time the cell's measurement began (before its process was started)",
     "source": "digest of the project's source files that measured the cell (environment.source: the same digest, "
               "with the git commit where the run had one; harness.env.source_revision)",
     "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
