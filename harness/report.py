@@ -96,6 +96,16 @@ def speedup(records: list[dict], r: dict) -> float | None:
     return base["latency_ms"]["median"] / r["latency_ms"]["median"]
 
 
+CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
+
+
+def mixes_host_draws(records: list[dict], r: dict) -> bool:
+    """Whether r's speed-up over eager divides figures of two runs (a merged report) of which one is host-bound:
+    each then measured its own run's host, so the ratio moves with both hosts, not with the rungs alone."""
+    base = eager_baseline(records, r)
+    return base is not None and base.get("run") != r.get("run") and "host" in (bound(base), bound(r))
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
@@ -122,7 +132,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
             "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if ok else "",
             "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if ok else "",
-            "vs eager": _fmt(vs_eager, ".2f") + "x" if vs_eager else "",
+            "vs eager": (_fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(records, r) else "")
+                         if vs_eager else ""),
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
             "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if ok else "",
@@ -179,7 +190,12 @@ def markdown(doc: dict) -> str:
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
-    lines += markdown_table(rows(doc["results"]))
+    table = rows(doc["results"])
+    lines += markdown_table(table)
+    if any(row["vs eager"].endswith(CROSS_RUN) for row in table):
+        lines += ["", f"{CROSS_RUN} this rung and eager come from different runs and one of the two is host-bound: "
+                  "the speed-up divides two draws of the host's speed. Compare such cells within one run "
+                  "(`runs/`)."]
     lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
               "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
               "CPU time to issue one forward; bound = host where that is most of the latency (the figure then "

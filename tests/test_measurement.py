@@ -75,6 +75,22 @@ def test_bound_tells_host_bound_from_gpu_bound_cells_of_the_committed_h100_run()
     assert all(r["bound"] == report.bound(r) for r in report.document(ok, {}, {})["results"])
 
 
+def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
+    """In the committed merged H100 report, eager b1 comes from one lease and most other rungs' b1 cells from
+    others: such a ratio divides two draws of the host's speed, and the tables say so; GPU-bound pairs from two
+    runs, and pairs from one run, stay unmarked."""
+    doc = json.loads((REPO / "results" / "nvidia-h100-80gb-hbm3" / "ladder.json").read_text())
+    results, kinds = doc["results"], set()
+    for r, row in zip(results, report.rows(results)):
+        if row["vs eager"]:
+            base = report.eager_baseline(results, r)
+            cross, host = base["run"] != r["run"], "host" in (base["bound"], r["bound"])
+            assert row["vs eager"].endswith(report.CROSS_RUN) == (cross and host), row
+            kinds.add((cross, host))
+    assert {(True, True), (True, False), (False, True)} <= kinds
+    assert f"\n{report.CROSS_RUN} this rung and eager come from different runs" in report.markdown(doc)
+
+
 def test_host_noise_probe_times_every_cpu_it_is_given():
     cpus = host_noise.spread_cpus(2)
     series = host_noise.measure(cpus, seconds=0.5)
