@@ -89,8 +89,8 @@ def eager_baseline(records: list[dict], r: dict) -> dict | None:
     return None
 
 
-def speedup(records: list[dict], r: dict) -> float | None:
-    base = eager_baseline(records, r)
+def speedup(base: dict | None, r: dict) -> float | None:
+    """r's speed-up over its eager baseline (eager_baseline)."""
     if base is None or r["status"] != "ok":
         return None
     return base["latency_ms"]["median"] / r["latency_ms"]["median"]
@@ -99,10 +99,9 @@ def speedup(records: list[dict], r: dict) -> float | None:
 CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
 
 
-def mixes_host_draws(records: list[dict], r: dict) -> bool:
+def mixes_host_draws(base: dict | None, r: dict) -> bool:
     """Whether r's speed-up over eager divides figures of two runs (a merged report) of which one is host-bound:
     each then measured its own run's host, so the ratio moves with both hosts, not with the rungs alone."""
-    base = eager_baseline(records, r)
     return base is not None and base.get("run") != r.get("run") and "host" in (bound(base), bound(r))
 
 
@@ -120,7 +119,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         nv = mem.get("nvml_process_peak_bytes")
         alloc = mem.get("allocator_peak_bytes")
         par = r.get("parity") or {}
-        vs_eager = speedup(records, r)
+        base = eager_baseline(records, r)
+        vs_eager = speedup(base, r)
         out.append({
             "rung": r["label"],
             "batch": str(r["batch"]),
@@ -132,7 +132,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
             "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if ok else "",
             "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if ok else "",
-            "vs eager": (_fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(records, r) else "")
+            "vs eager": (_fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
                          if vs_eager else ""),
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
@@ -194,8 +194,7 @@ def markdown(doc: dict) -> str:
     lines += markdown_table(table)
     if any(row["vs eager"].endswith(CROSS_RUN) for row in table):
         lines += ["", f"{CROSS_RUN} this rung and eager come from different runs and one of the two is host-bound: "
-                  "the speed-up divides two draws of the host's speed. Compare such cells within one run "
-                  "(`runs/`)."]
+                  "the speed-up divides two draws of the host's speed. Compare such cells within one run."]
     lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
               "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
               "CPU time to issue one forward; bound = host where that is most of the latency (the figure then "
