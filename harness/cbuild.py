@@ -5,10 +5,10 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
+from harness import proc as procs
 from harness.env import files_digest
 from tiers.base import Unavailable
 
@@ -22,16 +22,37 @@ def require_tools(*tools: str) -> None:
         raise Unavailable(f"{', '.join(missing)} not found on PATH")
 
 
+class BuildError(RuntimeError):
+    """Our own C++ failed to build: an error of the project, not a reason the rung cannot run here."""
+
+
+def sources_missing() -> str | None:
+    """Why the C++ sources cannot be built from this copy of the ladder, or None."""
+    if not (REPO / "cpp" / "common").is_dir():
+        return (f"the C++ sources (cpp/) are not installed with this copy of the ladder ({REPO}); run from a "
+                "checkout, or install it with `pip install -e .`")
+    return None
+
+
+def build_dir(project: str, key: dict[str, str]) -> Path:
+    """Where cpp/<project> is built for `key` and the current sources."""
+    digest = files_digest(REPO / "cpp" / project, REPO / "cpp" / "common")[:12]
+    tag = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:8]
+    return CACHE / "build" / f"{project}-{tag}-{digest}"
+
+
 def cmake_build(project: str, key: dict[str, str], cmake_args: list[str], target: str) -> Path:
     """Configures and builds cpp/<project> (Release) once per key and source digest; returns the target's path.
 
     `key` names what the binary depends on (torch version, CUDA version, ...); it is part of the cache path so
-    a different toolchain never reuses a stale build. Raises Unavailable with the build log's tail on failure."""
+    a different toolchain never reuses a stale build. Raises Unavailable when a tool or the sources are missing,
+    BuildError with the build log's tail when the build fails."""
     require_tools("cmake")
+    missing = sources_missing()
+    if missing:
+        raise Unavailable(missing)
     src = REPO / "cpp" / project
-    digest = files_digest(src, REPO / "cpp" / "common")[:12]
-    tag = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:8]
-    build = CACHE / "build" / f"{project}-{tag}-{digest}"
+    build = build_dir(project, key)
     binary = build / target
     build.mkdir(parents=True, exist_ok=True)
     with open(build / ".lock", "w") as lock:
@@ -45,9 +66,9 @@ def cmake_build(project: str, key: dict[str, str], cmake_args: list[str], target
             ["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
         ]
         for step in steps:
-            proc = subprocess.run(step, capture_output=True, text=True)
+            proc = procs.run(step, capture_output=True, text=True)
             if proc.returncode != 0:
                 tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-                raise Unavailable(f"building cpp/{project} failed: " + " | ".join(tail))
+                raise BuildError(f"building cpp/{project} failed: " + " | ".join(tail))
         (build / "build_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
         return binary

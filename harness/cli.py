@@ -5,7 +5,11 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from harness.model import CLASSIFIERS
@@ -26,6 +30,27 @@ def _list(kind, choices=None):
             if kind is int and x <= 0:
                 raise argparse.ArgumentTypeError(f"{x} must be a positive integer")
         return items
+    return parse
+
+
+def _resolutions(text: str) -> list[int]:
+    if "x" in text.lower():
+        raise argparse.ArgumentTypeError(f"{text!r}: HxW is not supported, the ladder's inputs are square; give "
+                                         "one size per resolution, e.g. --res 224")
+    return _list(int)(text)
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = True):
+    """argparse type for a finite float in (low, high] (or [low, high] with low_open=False)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v > high or (v <= low if low_open else v < low):
+            bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number {bound}")
+        return v
     return parse
 
 
@@ -81,10 +106,12 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--tiers", type=_list(str, tier_names), default=None,
                      help=f"comma list from {', '.join(tier_names)} (default: all)")
     lad.add_argument("--batch", type=_list(int), default=None, help="comma list (default: 1,32,256 on GPU; 1 on CPU)")
-    lad.add_argument("--res", type=_list(int), default=None, help="comma list (default: 224 on GPU; 64 on CPU)")
+    lad.add_argument("--res", type=_resolutions, default=None, help="comma list (default: 224 on GPU; 64 on CPU)")
     lad.add_argument("--dtype", type=_list(str, DTYPES), default=None,
                      help="comma list from fp32,tf32,fp16,bf16 (default: fp32,tf32,bf16 on GPU; fp32 on CPU)")
-    lad.add_argument("--channels-last", action="store_true", help="NHWC activations and weights")
+    lad.add_argument("--layout", choices=("nchw", "nhwc", "both"), default=None,
+                     help="activation layout (default: nhwc, channels-last, on GPU: every rung's best practice; "
+                          "nchw on CPU)")
     lad.add_argument("--cuda-graph", choices=("off", "on", "both"), default="off",
                      help="run graph-capable rungs captured in a CUDA graph")
     lad.add_argument("--compile-mode", type=_list(str, COMPILE_MODES), default=["default"],
@@ -92,15 +119,33 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--option", type=_rung_option, action="append", default=[], metavar="TIER:KEY=VALUE",
                      help="rung-specific option, e.g. triton:autotune=off, tensorrt:trt-max-batch=512 (repeatable)")
     lad.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is present")
-    lad.add_argument("--iters", type=_positive_int, default=50, help="minimum timed iterations per cell")
-    lad.add_argument("--min-time", type=float, default=1.0, help="minimum seconds of timed iterations per cell")
+    lad.add_argument("--isolation", choices=("rung", "cell"), default="rung",
+                     help="rung: one process per rung measures its cells in turn, caches kept (default, fast); "
+                          "cell: a fresh process with fresh caches for every cell (strict, slow)")
+    lad.add_argument("--retune", action="store_true",
+                     help="ignore the tuning choices shipped for this GPU (Triton configs, cuDNN engines): search "
+                          "them cold and keep them in the run's cache")
+    lad.add_argument("--isolation-check", choices=("warn", "error"), default="warn",
+                     help="a cell measured beside another busy process (CPU or GPU) is flagged (warn) or also "
+                          "refused, its timings withheld (error)")
+    lad.add_argument("--iters", type=_positive_int, default=10, help="fewest timed iterations per cell")
+    lad.add_argument("--min-time", type=_number(0, low_open=False), default=0.1,
+                     help="fewest seconds of timed iterations per cell")
+    lad.add_argument("--max-time", type=_number(0), default=2.0,
+                     help="most seconds of timed iterations per cell if the median is not yet known to --precision")
+    lad.add_argument("--precision", type=_number(0, 1), default=0.01,
+                     help="stop timing once the median's 95%% confidence interval is within this share of it")
     lad.add_argument("--warmup-max", type=_positive_int, default=200, help="most warm-up iterations")
-    lad.add_argument("--warmup-s", type=float, default=3.0, help="most warm-up seconds (unless still under 10 calls)")
-    lad.add_argument("--util-s", type=float, default=2.0, help="seconds of the utilisation pass")
-    lad.add_argument("--e2e-iters", type=_positive_int, default=20, help="iterations of each end-to-end variant")
-    lad.add_argument("--timeout", type=float, default=900.0, help="seconds before a cell is killed and recorded")
-    lad.add_argument("--warm-cache", action="store_true",
-                     help="share Inductor/Triton caches between cells (default: fresh per cell, a true cold start)")
+    lad.add_argument("--warmup-s", type=_number(0, low_open=False), default=1.0,
+                     help="most warm-up seconds (unless still under 5 calls)")
+    lad.add_argument("--util-s", type=_number(0, low_open=False), default=0.5,
+                     help="seconds of the utilisation pass")
+    lad.add_argument("--e2e-iters", type=_positive_int, default=5, help="iterations of each end-to-end variant")
+    lad.add_argument("--timeout", type=_number(0), default=900.0, help="seconds before a cell is killed and recorded")
+    lad.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                     help="parallel jobs of the prepare stage (builds, exports, warm caches)")
+    lad.add_argument("--host-probe", action="store_true",
+                     help="time the host CPU's steadiness for 2 s at the start (harness.host_noise)")
     lad.add_argument("--out", type=Path, default=None, help="run directory (default runs/<model>-<device>); reruns "
                      "into the same directory skip cells already recorded")
     lad.add_argument("--rerun", action="store_true", help="measure again cells already recorded in --out")
@@ -115,7 +160,7 @@ def parser() -> argparse.ArgumentParser:
     mic.add_argument("--batch", type=_positive_int, default=32)
     mic.add_argument("--res", type=_positive_int, default=224)
     mic.add_argument("--dtype", choices=DTYPES, default="bf16")
-    mic.add_argument("--channels-last", action="store_true")
+    mic.add_argument("--layout", choices=("nchw", "nhwc"), default="nhwc")
     mic.add_argument("--json", type=Path)
     mic.add_argument("--markdown", type=Path)
 
@@ -135,18 +180,21 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_tiers(args) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from tiers import all_tiers
 
+    gpu = default_device() == "cuda"
     table = Table(title="Rungs of the ladder")
     for c in ("rung", "what", "cuda", "cpu"):
         table.add_column(c, overflow="fold")
     for name, tier in all_tiers().items():
         cells = []
         for device in ("cuda", "cpu"):
-            reason = tier.availability(device)
-            cells.append("[green]available[/]" if reason is None else f"[red]unavailable[/]: {reason}")
-        table.add_row(name, tier.summary, *cells)
+            reason = "no NVIDIA GPU here (NVML found none)" if device == "cuda" and not gpu else tier.availability(device)
+            cells.append(Text("available", style="green") if reason is None else
+                         Text.assemble(("unavailable", "red"), f": {reason}"))
+        table.add_row(name, Text(tier.summary), *cells)
     Console().print(table)
     return 0
 
@@ -159,9 +207,11 @@ def plan(args, device: str) -> list[Cell]:
     batches = args.batch or ([1, 32, 256] if gpu else [1])
     resolutions = args.res or ([224] if gpu else [64])
     dtypes = args.dtype or (["fp32", "tf32", "bf16"] if gpu else ["fp32"])
+    layouts = {"nchw": [False], "nhwc": [True], "both": [False, True]}[args.layout or ("nhwc" if gpu else "nchw")]
     graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     cells = []
-    for tier, dtype, batch, res, graph in itertools.product(tiers, dtypes, batches, resolutions, graphs):
+    for tier, layout, dtype, batch, res, graph in itertools.product(tiers, layouts, dtypes, batches, resolutions,
+                                                                    graphs):
         given = tuple((k, v) for t, k, v in args.option if t == tier)
         option_sets = ([tuple(sorted((("compile-mode", m),) + given)) for m in args.compile_mode]
                        if tier == "compile" else [tuple(sorted(given))])
@@ -169,78 +219,209 @@ def plan(args, device: str) -> list[Cell]:
             if graph and not all_tiers()[tier].cuda_graph:
                 continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode
             cells.append(Cell(tier=tier, model=args.model, batch=batch, res=res, dtype=dtype,
-                              channels_last=args.channels_last, cuda_graph=graph, device=device, options=opts))
+                              channels_last=layout, cuda_graph=graph, device=device, options=opts))
     return cells
+
+
+class Refused(Exception):
+    """A one-line reason the ladder will not start (bad path, locked directory, a configuration that cannot fit)."""
+
+
+def check_output_paths(args) -> None:
+    """--out must be (or become) a writable directory; --json/--markdown/--csv writable files, not directories."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise Refused(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Refused(f"--out {out}: cannot create it ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise Refused(f"--out {out}: not writable")
+    for flag in ("json", "markdown", "csv"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        if path.is_dir():
+            raise Refused(f"--{flag} {path}: is a directory; give a file name")
+        parent = path.parent if str(path.parent) else Path(".")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Refused(f"--{flag} {path}: cannot create {parent} ({e.strerror})") from None
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise Refused(f"--{flag} {path}: not writable")
+
+
+def check_fits(model: str, cells: list[Cell], device: str) -> None:
+    """Refuses a configuration whose input and activations cannot fit (on the GPU, or the input in host memory),
+    naming the largest batch that would."""
+    from harness.env import gpu_handle
+    from harness.memory import activation_bytes_per_image, host_available_bytes
+
+    nv, h = gpu_handle()
+    device_total = nv.nvmlDeviceGetMemoryInfo(h).total if device == "cuda" and h is not None else None
+    host = host_available_bytes()
+    for res in sorted({c.res for c in cells}):
+        batch = max(c.batch for c in cells if c.res == res)
+        act = activation_bytes_per_image(model, res)
+        inp = 3 * res * res * 4
+        # On the GPU: activations there; on the host the input file, its pageable and pinned copies (e2e pass).
+        # On the CPU: activations and input both in host memory.
+        limits = ([("GPU memory", device_total, act)] if device_total else []) + [
+            ("host memory", host, 3 * inp if device == "cuda" else act + inp)]
+        for where, capacity, per_image in limits:
+            if capacity and batch * per_image > 0.8 * capacity:
+                fits = int(0.8 * capacity // per_image)
+                raise Refused(f"batch {batch} at res {res} needs about {batch * per_image / 2**30:.1f} GiB of "
+                              f"{where} ({capacity / 2**30:.1f} GiB here); the largest batch that fits is about "
+                              f"{fits}")
+
+
+def run_identity(meta: dict) -> dict:
+    """What must match for a rerun to add cells to an existing run directory."""
+    env = meta["environment"]
+    return {"model": meta.get("model"), "device": env.get("device"), "gpu": (env.get("gpu") or {}).get("name"),
+            **{k: env.get(k) for k in ("torch", "torch_cuda", "cudnn", "triton", "onnxruntime", "python")},
+            "source": (env.get("source") or {}).get("digest"), "isolation": meta.get("isolation"),
+            "protocol": meta.get("protocol")}
 
 
 def cmd_ladder(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from harness import report
     from harness.env import device_slug, environment
-    from harness.runner import Protocol, RunDir, child, run_cell
+    from harness.runner import Context, Protocol, RunDir, RunLocked, measure_cells, ordered, prepare
+    from harness import proc as procs
 
+    t_start = time.perf_counter()
     console = Console()
     device = args.device or default_device()
     if device == "cuda" and default_device() != "cuda":
-        console.print("[red]--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu[/]")
+        console.print("--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu", markup=False)
         return 2
+    args.out = (args.out or Path("runs") / f"{args.model}-{device}").resolve()
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
-                        min_time_s=args.min_time, util_s=args.util_s, e2e_iters=args.e2e_iters,
+                        min_time_s=args.min_time, max_time_s=max(args.max_time, args.min_time),
+                        precision=args.precision, util_s=args.util_s, e2e_iters=args.e2e_iters,
                         timeout_s=args.timeout)
-    run = RunDir(args.out or Path("runs") / f"{args.model}-{device}", args.model, device)
+    cells = plan(args, device)
+    try:
+        check_output_paths(args)
+        run = RunDir(args.out, args.model, device)
+        run.lock()
+        check_fits(args.model, cells, device)
+    except (Refused, RunLocked) as e:
+        console.print(f"ladder: {e}", markup=False, style="red")
+        return 2
+
+    env = environment(device, host_probe=args.host_probe)
+    meta = {"model": args.model, "isolation": args.isolation, "environment": env,
+            "protocol": dataclasses.asdict(protocol),
+            "peak_tflops": {"datasheet": (env.get("gpu") or {}).get("datasheet_peak_tflops")}}
     meta_path = run.path / "run.json"
     if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+        old = json.loads(meta_path.read_text())
+        before, now = run_identity(old), run_identity(meta)
+        differ = [k for k in now if before.get(k) != now[k]]
+        if differ:
+            console.print(f"ladder: {run.path} holds a run with another {', '.join(differ)}; its cells would be "
+                          "mislabelled: give another --out", markup=False, style="red")
+            return 2
+        meta = old
     else:
-        env = environment(device)
-        meta = {"environment": env, "protocol": dataclasses.asdict(protocol),
-                "peak_tflops": {"datasheet": (env.get("gpu") or {}).get("datasheet_peak_tflops")}}
+        run.write_weights()
         if device == "cuda":
             with console.status("measuring the GPU's matmul peak (cuBLAS)"):
                 peak_file = run.path / "peak.json"
-                child([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], check=True)
+                from harness.runner import REPO, child_env
+
+                proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
+                                 env=child_env(), capture_output=True, text=True)
+                if proc.returncode != 0:
+                    console.print(f"ladder: measuring the matmul peak failed: {proc.stderr.strip()[-500:]}",
+                                  markup=False, style="red")
+                    return 1
                 meta["peak_tflops"]["measured"] = json.loads(peak_file.read_text())["tflops"]
         meta_path.write_text(json.dumps(meta, indent=1))
-    cells = plan(args, device)
+    run.write_weights()
+
     done = {} if args.rerun else run.done()
     todo = [c for c in cells if c.identity not in done]
-    console.print(f"[bold]{len(cells)} cells[/] ({len(cells) - len(todo)} already recorded in {run.path}), "
-                  f"{args.model} on {device}")
+    console.print(f"{len(cells)} cells ({len(cells) - len(todo)} already recorded in {run.path}), {args.model} on "
+                  f"{device}, one process per {args.isolation}", markup=False)
     planned = {c.identity for c in cells}
     records = {k: v for k, v in done.items() if k in planned}
+
+    def stop(signum, _frame):  # SIGTERM (timeout, a batch scheduler) and SIGHUP end the ladder as Ctrl-C does
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    ctx = Context(run=run, protocol=protocol, isolation=args.isolation, peak_tflops=meta.get("peak_tflops"),
+                  tunings=None if args.retune else device_slug(env), isolation_check=args.isolation_check)
+    groups = ordered(todo)
     interrupted = False
+    builds: dict = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        task = progress.add_task("ladder", total=len(todo))
+                  console=console, transient=False) as progress:
         try:
-            for cell in todo:
-                progress.update(task, description=f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: starting")
+            if args.isolation == "rung" and todo:
+                task = progress.add_task("prepare", total=None)
+                t = time.perf_counter()
+                builds = prepare(ctx, groups, args.jobs,
+                                 on_progress=lambda s: progress.update(task, description=escape(f"prepare: {s}")))
+                progress.update(task, description=f"prepare: done in {time.perf_counter() - t:.0f} s", total=1,
+                                completed=1)
+            task = progress.add_task("ladder", total=len(todo))
 
-                def on_phase(ph: str, cell=cell) -> None:
-                    progress.update(task, description=f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: {ph}")
+            def on_phase(cell: Cell, ph: str) -> None:
+                progress.update(task, description=escape(f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: {ph}"))
 
-                rec = run_cell(run, cell, protocol, on_phase=on_phase, fresh_cache=not args.warm_cache,
-                               peak_tflops=meta.get("peak_tflops"))
+            ctx.on_phase = on_phase
+
+            def on_record(rec: dict) -> None:
                 run.append(rec)
-                records[cell.identity] = rec
+                records[Cell.of_record(rec).identity] = rec
                 line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
-                        f"[red]{rec['status']}[/]: {rec.get('reason')}")
-                progress.console.print(f"  {cell.label:28s} b{cell.batch:<4d} r{cell.res:<4d} {cell.dtype:5s} {line}")
+                        f"{rec['status']}: {rec.get('reason')}")
+                flag = "  (contended)" if (rec.get("contention") or {}).get("flagged") else ""
+                progress.console.print(f"  {rec['label']:26.26s} b{rec['batch']:<4d} {rec['dtype']:5s} "
+                                       f"{rec['layout']} {line[:200]}{flag}", markup=False,
+                                       style=None if rec["status"] == "ok" else "red")
                 progress.advance(task)
-        except KeyboardInterrupt:  # the cell in flight is lost (its child is killed); every finished one is kept
+
+            for tier_cells in groups.values():
+                measure_cells(ctx, tier_cells, on_record)
+        except KeyboardInterrupt:  # the cell in flight is recorded as interrupted; every finished one is kept
             interrupted = True
     if interrupted:
-        console.print(f"[yellow]interrupted: {len(records)} of {len(cells)} cells recorded in {run.path}; "
-                      "the same command goes on from there[/]")
-    ordered = [records[c.identity] for c in cells if c.identity in records]
-    doc = report.document(ordered, meta["environment"], meta["protocol"], {"peak_tflops": meta.get("peak_tflops")})
-    console.print(report.rich_table(ordered, title=f"{args.model} on {device_slug(meta['environment'])}"))
+        console.print(f"interrupted: {sum(r['status'] != 'interrupted' for r in records.values())} of {len(cells)} "
+                      f"cells recorded in {run.path}; the same command goes on from there", markup=False,
+                      style="yellow")
+    ordered_records = [records[c.identity] for c in cells if c.identity in records]
+    wall = time.perf_counter() - t_start
+    doc = report.document(ordered_records, meta["environment"], meta["protocol"],
+                          {"peak_tflops": meta.get("peak_tflops"), "isolation": meta.get("isolation"),
+                           "command": " ".join(["python -m harness", *sys.argv[1:]]), "wall_s": wall,
+                           "builds": builds})
+    console.print(report.rich_table(ordered_records, title=f"{args.model} on {device_slug(meta['environment'])}"))
+    for line in report.failure_lines(ordered_records):
+        console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
+    for line in report.fastest_lines(ordered_records):
+        console.print(line, markup=False)
     if meta["environment"].get("host_cpu"):
-        console.print(report.host_cpu_line(meta["environment"]["host_cpu"]))
+        console.print(report.host_cpu_line(meta["environment"]["host_cpu"]), markup=False)
     report.write(doc, args.json or run.path / "ladder.json", args.markdown or run.path / "ladder.md", args.csv)
-    console.print(f"JSON: {args.json or run.path / 'ladder.json'}  markdown: {args.markdown or run.path / 'ladder.md'}")
+    console.print(f"{wall:.0f} s. JSON: {args.json or run.path / 'ladder.json'}  markdown: "
+                  f"{args.markdown or run.path / 'ladder.md'}", markup=False)
+    if args.retune and (run.path / "cache").is_dir():
+        console.print(f"tunings of this run: {run.path / 'cache'}/<rung>/ (tuned.json, engines.tsv); to ship them "
+                      f"for this GPU, copy them to kernels/tunings/{device_slug(env)}/<rung>.json|tsv",
+                      markup=False)
     return 130 if interrupted else 0
 
 
@@ -249,7 +430,14 @@ def cmd_report(args) -> int:
 
     from harness import report
 
-    records, meta = report.load_records(args.inputs)
+    try:
+        records, meta = report.load_records(args.inputs)
+    except report.BadInput as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"report: no records in {', '.join(map(str, args.inputs))}", file=sys.stderr)
+        return 2
     doc = report.document(records, meta.get("environment", {}), meta.get("protocol", {}),
                           {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"]})
     Console().print(report.rich_table(records))
@@ -270,7 +458,7 @@ def cmd_micro(args) -> int:
     if reason:
         print(f"{args.tier} micro needs the GPU: {reason}", file=sys.stderr)
         return 2
-    rows = tier.micro(args.batch, args.res, args.dtype, args.channels_last)
+    rows = tier.micro(args.batch, args.res, args.dtype, args.layout == "nhwc")
     table = Table(title=f"{args.tier}: per-layer microbenchmark, batch {args.batch}, res {args.res}, {args.dtype}")
     for c in rows[0]:
         table.add_column(c, overflow="fold")

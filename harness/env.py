@@ -95,7 +95,7 @@ def source_revision() -> dict[str, Any]:
     return out
 
 
-def environment(device: str) -> dict[str, Any]:
+def environment(device: str, host_probe: bool = False) -> dict[str, Any]:
     import torch
 
     env: dict[str, Any] = {
@@ -116,7 +116,7 @@ def environment(device: str) -> dict[str, Any]:
         "tensorrt": _version("tensorrt"),
         "device": device,
         "gpu": None,
-        "host_cpu": host_cpu_probe(),
+        "host_cpu": host_cpu_probe() if host_probe else None,
     }
     try:
         import onnxruntime

@@ -17,8 +17,28 @@ HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (
 # What every figure of a record means; shipped inside every JSON file so it reads on its own.
 DEFINITIONS = {
     "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
-              "withheld), 'crashed', 'oom', 'timeout', 'error', 'unavailable' (rung cannot run here), 'skipped' "
-              "(rung does not implement this configuration); 'reason' says why",
+              "withheld), 'crashed' (killed by a signal or a non-zero exit), 'oom' (an allocator refused, or the "
+              "kernel's OOM killer), 'timeout' (no result within --timeout), 'error' (an exception, a failed build "
+              "of our own code, or a failed eager reference), 'interrupted' (Ctrl-C, SIGTERM or SIGHUP while it "
+              "ran), 'contended' (measured beside another busy process under --isolation-check error; timings "
+              "withheld), 'unavailable' (rung cannot run here), 'skipped' (rung does not implement this "
+              "configuration); 'reason' says why. A rerun keeps ok, parity-fail and skipped and tries the rest again",
+    "isolation": "'rung': one process per rung measured its cells in turn, caches kept between processes; 'cell': "
+                 "a fresh process with fresh caches per cell",
+    "start": "what the cell's first result had: 'cold' (fresh process, empty caches), 'warm-start' (fresh process, "
+             "caches kept: Inductor/Triton caches, tuning tables, a built C++ binary), 'hot' (a process that had "
+             "already measured other cells of the rung); process_position counts those cells. cold holds the "
+             "times of that start; prepared holds the prepare stage's start of the same cell where it had one "
+             "(a build-only process, its first cell cold and the next hot, beside concurrent_jobs other jobs)",
+    "hot_start": "first call at batch + 1 in the process of the rung's first measured cell (a new shape: the "
+                 "recompile of compiling rungs), synchronised, wall clock",
+    "cache_bytes": "size on disk of the rung's kept caches after the cell",
+    "contention": "other processes during the cell's timed phases: other_cpus_busy = CPU time of processes outside "
+                  "the ladder's process tree / wall time; gpu_other_pids = processes outside it holding the GPU "
+                  "(NVML; null where its PIDs cannot be matched); flagged when more than half a CPU or any GPU "
+                  "process",
+    "latency_stopped": "why the latency pass ended: 'precision' (the median's 95% confidence interval within "
+                       "+-protocol.precision), 'time' (protocol.max_time_s), 'iters' (protocol.max_iters)",
     "dtype": "fp32 = strict fp32 (TF32 off); tf32 = fp32 tensors, TF32 tensor-core math allowed; fp16/bf16 = "
              "weights and activations in that type",
     "parity": "output of the first forward vs eager fp32 (TF32 off) on the same input and weights: max_abs_err, "
@@ -43,15 +63,15 @@ DEFINITIONS = {
               "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
               "their own memory plan report workspace_bytes / activation_bytes / weights_bytes",
     "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
-                   "forwards",
+                   "forwards; energy_j = NVML board energy counter over that pass, img_per_joule = images per joule "
+                   "of board energy",
     "tflops": "achieved = FLOPs of one forward (2 per multiply-accumulate in convolutions and matmuls, torch "
               "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
               "dense peak for the cell's dtype",
     "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
              f"{HOST_BOUND:.0%} of its latency median: the GPU waited on the host, so the latency measures the "
-             "host's speed and moves with it (environment.host_cpu says how steady the host was; on the H100 VM "
-             "of results/ such cells moved by tens of percent between runs); 'gpu' otherwise; null on the CPU or "
-             "without a result",
+             "host's speed and moves with it between processes; 'gpu' otherwise; null on the CPU or without a "
+             "result",
     "measured_at": "UTC time the cell's measurement began (before its process was started)",
     "source": "digest of the project's source files that measured the cell (environment.source: the same digest, "
               "with the git commit where the run had one; harness.env.source_revision)",
@@ -125,7 +145,9 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "rung": r["label"],
             "batch": str(r["batch"]),
             "res": str(r["res"]),
-            "dtype": r["dtype"] + ("/cl" if r["channels_last"] else ""),
+            "dtype": r["dtype"],
+            "layout": "nhwc" if r["channels_last"] else "nchw",
+            "start": r.get("start") or "",
             "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
             "median ms": _fmt(lat.get("median"), ".3f") if ok else "",
             "p99 ms": _fmt(lat.get("p99"), ".3f") if ok else "",
@@ -215,19 +237,50 @@ def to_csv(doc: dict) -> str:
     return buf.getvalue()
 
 
-def rich_table(records: list[dict], title: str = "Tier ladder"):
-    from rich.table import Table
+COMPACT = ["rung", "batch", "dtype", "layout", "median ms", "img/s", "vs eager", "bound", "parity"]
 
-    table = Table(title=title, header_style="bold")
-    cols = ["rung", "batch", "res", "dtype", "median ms", "p99 ms", "CV %", "img/s", "pipelined img/s", "vs eager",
-            "host us/call", "bound", "TFLOP/s", "first result s", "GPU MiB (NVML)", "parity", "status"]
-    for c in cols:
-        table.add_column(c, justify="left" if c in ("rung", "dtype", "status", "parity") else "right",
-                         overflow="fold")
-    for row in rows(records):
-        failed = row["status"] != "ok"
-        table.add_row(*[row[c] for c in cols], style="red" if failed else None)
+
+def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = False):
+    """The terminal table: the compact columns, which fit 80 columns (a failure shows its status in red; its
+    reason is one line of `failure_lines`); `wide` shows every column. Every cell is plain text, never rich
+    markup (reasons quote paths in brackets)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    all_rows = rows(records)
+    cols = [c for c in (list(all_rows[0]) if wide and all_rows else COMPACT) if c != "status"]
+    for c in cols:  # only the rung's name may wrap (at '(' of its options); a number or a word never breaks
+        table.add_column(c, justify="left" if c in ("rung", "dtype", "layout", "parity", "bound", "start") else "right",
+                         no_wrap=c != "rung", min_width=min(16, max(len(row["rung"]) for row in all_rows))
+                         if c == "rung" and all_rows else None)
+    for r, row in zip(records, all_rows):
+        if r["status"] == "ok":
+            table.add_row(*[Text(row[c]) for c in cols])
+        else:
+            table.add_row(*[Text(r["status"].upper() if c == "median ms" else row[c] if c in ("rung", "batch",
+                                 "dtype", "layout") else "", style="red") for c in cols])
     return table
+
+
+def failure_lines(records: list[dict]) -> list[str]:
+    """One line per failed cell: which, and why."""
+    return [f"{r['label']} b{r['batch']} {r['dtype']} {r.get('layout') or ('nhwc' if r['channels_last'] else 'nchw')}"
+            f": {r['status']}: {' '.join(str(r.get('reason') or '').split())}" for r in records if r["status"] != "ok"]
+
+
+def fastest_lines(records: list[dict]) -> list[str]:
+    """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
+    ok = [r for r in records if r["status"] == "ok"]
+    out = []
+    for key in sorted({(r["batch"], r["dtype"], r["channels_last"], r["res"]) for r in ok}):
+        same = [r for r in ok if (r["batch"], r["dtype"], r["channels_last"], r["res"]) == key]
+        best = min(same, key=lambda r: r["latency_ms"]["median"])
+        lead = speedup(eager_baseline(records, best), best)
+        out.append(f"batch {key[0]} {key[1]} {'nhwc' if key[2] else 'nchw'} res {key[3]}: fastest {best['label']} "
+                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else ""))
+    return out
 
 
 def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Path | None) -> None:
@@ -238,20 +291,42 @@ def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Pat
             path.write_text(text())
 
 
+class BadInput(Exception):
+    """A report input that is not ladder results (one line says which and why)."""
+
+
 def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
     """Records from results.jsonl files (with their run.json) or earlier JSON documents; later files win on the
     same cell (`Cell.identity`). Each record gets `run`, an index into meta['runs'] (source and environment of its
-    run), so a report merged from several machines says which machine measured what."""
+    run), so a report merged from several machines says which machine measured what. Raises BadInput."""
+    from harness.runner import read_jsonl
+
     by_key: dict[str, dict] = {}
     meta: dict[str, Any] = {"runs": []}
     for p in paths:
+        if p.is_dir():
+            raise BadInput(f"{p}: is a directory; give its results.jsonl or ladder.json")
+        if not p.is_file():
+            raise BadInput(f"{p}: no such file")
+        if p.stat().st_size == 0:
+            raise BadInput(f"{p}: empty file")
         if p.suffix == ".jsonl":
-            recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-            run_meta = json.loads(p.with_name("run.json").read_text()) if p.with_name("run.json").exists() else {}
+            recs = read_jsonl(p)
+            run_json = p.with_name("run.json")
+            run_meta = json.loads(run_json.read_text()) if run_json.exists() else {}
         else:
-            d = json.loads(p.read_text())
+            try:
+                d = json.loads(p.read_text(errors="replace"))
+            except json.JSONDecodeError as e:
+                raise BadInput(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+            if not isinstance(d, dict) or not isinstance(d.get("results"), list):
+                raise BadInput(f"{p}: not a ladder JSON document (no 'results' list); give a ladder.json or a "
+                               "results.jsonl")
             recs = d["results"]
             run_meta = {k: v for k, v in d.items() if k not in ("results", "definitions", "schema_version", "generated")}
+        bad = [i for i, r in enumerate(recs) if not isinstance(r, dict) or not {"tier", "status", "batch"} <= set(r)]
+        if bad:
+            raise BadInput(f"{p}: record {bad[0]} is not a ladder record")
         meta.update({k: v for k, v in run_meta.items() if k != "runs"})
         run = len(meta["runs"])
         meta["runs"].append({"source": str(p), "environment": run_meta.get("environment"),

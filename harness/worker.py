@@ -1,7 +1,9 @@
-"""The child process of one cell of a Python rung: docs/protocol.md, phase by phase.
+"""The child process of a Python rung: docs/protocol.md, phase by phase, for one cell or for a list of cells of one
+rung measured in turn (the runner's `--isolation rung`).
 
 cpp/common/ladder/protocol.h is the same protocol for the C++ rungs; keep the two in step.
-Run as `python -m harness.worker --tier NAME --batch ... --result R.json ...` (the runner builds the line)."""
+Run as `python -m harness.worker --tier NAME --batch ... --result R.json ...` or `python -m harness.worker --cells
+FILE` (the runner builds both)."""
 from __future__ import annotations
 
 import gc
@@ -16,8 +18,10 @@ from typing import Any, Callable
 import torch
 
 from harness.model import load_model, read_tensor
+from harness.stats import median_ci_rel
 from tiers import get_tier
-from tiers.base import Built, Cell, Unavailable, torch_dtype
+from tiers.base import Built, Cell, torch_dtype
+
 
 def parse_args(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     if len(argv) % 2:
@@ -122,15 +126,24 @@ def timed_forward(forward: Callable[[Any], Any], example: Any, clock: Clock) -> 
     return timed_call
 
 
-def latency_pass(timed_call: Callable[..., float], iters: int, min_time_s: float,
-                 max_iters: int) -> tuple[list[float], list[float]]:
-    """At least `iters` calls and `min_time_s` seconds, at most `max_iters` calls: (ms, host µs) per call."""
+def latency_pass(timed_call: Callable[..., float], iters: int, min_time_s: float, max_time_s: float,
+                 max_iters: int, precision: float) -> tuple[list[float], list[float], str]:
+    """Calls until the median is known well enough: at least `iters` calls and `min_time_s` seconds, then stop
+    once the median's 95% confidence interval is within +-`precision` of it, or at `max_time_s` / `max_iters`.
+    Returns (ms, host µs) per call and why it stopped ('precision', 'time' or 'iters')."""
     lat: list[float] = []
     host: list[float] = []
     t = time.perf_counter()
-    while len(lat) < max_iters and (len(lat) < iters or time.perf_counter() - t < min_time_s):
+    while True:
         lat.append(timed_call(host))
-    return lat, host
+        elapsed = time.perf_counter() - t
+        if len(lat) >= max_iters:
+            return lat, host, "iters"
+        if len(lat) >= iters and elapsed >= min_time_s:
+            if median_ci_rel(lat) <= precision:
+                return lat, host, "precision"
+            if elapsed >= max_time_s:
+                return lat, host, "time"
 
 
 def _median(v: list[float]) -> float:
@@ -140,16 +153,13 @@ def _median(v: list[float]) -> float:
 
 
 def pipelined_iters(kv: dict[str, str], latency_ms: list[float]) -> int:
-    """At least --pipelined-iters forwards, and enough to last --min-time-s at the measured latency."""
-    return max(int(kv["pipelined-iters"]), math.ceil(float(kv["min-time-s"]) * 1e3 / _median(latency_ms)))
+    """At least --pipelined-iters forwards, and enough to last --pipelined-s at the measured latency."""
+    return max(int(kv["pipelined-iters"]), math.ceil(float(kv["pipelined-s"]) * 1e3 / _median(latency_ms)))
 
 
-def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
-    cell = cell_from_args(kv, options)
+def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, Built, torch.Tensor]:
+    """The cold part of a cell: load, build, first result (written to --output). Returns (tier, built, example)."""
     tier = get_tier(cell.tier)
-    gpu = cell.device == "cuda"
-    result: dict[str, Any] = {"cold": {}}
-
     phase("load")
     t = time.perf_counter()
     model = load_model(cell.model, kv["weights"])
@@ -163,24 +173,39 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     built = tier.build(model, example, cell)
     if cell.cuda_graph:
         built = capture_cuda_graph(built, example)
-    stream = (built.stream or torch.cuda.current_stream()) if gpu else None
-    sync = stream.synchronize if gpu else (lambda: None)
     result["cold"]["build_s"] = time.perf_counter() - t
 
     phase("first")
     t = time.perf_counter()
     out = built.forward(example)
-    sync()
+    sync_of(built, cell)()
     result["cold"]["first_result_s"] = time.perf_counter() - t
     from safetensors.torch import save_file
 
     save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
     # Keep no reference to this output: under reduce-overhead (CUDA-graph trees) a later call overwrites it.
-    out_shape, out_dtype = out.shape, out.dtype
-    del out
+    result["output"] = {"shape": list(out.shape), "dtype": out.dtype}
+    return tier, built, example
+
+
+def stream_of(built: Built, cell: Cell) -> Any:
+    return (built.stream or torch.cuda.current_stream()) if cell.device == "cuda" else None
+
+
+def sync_of(built: Built, cell: Cell) -> Callable[[], None]:
+    stream = stream_of(built, cell)
+    return stream.synchronize if stream is not None else (lambda: None)
+
+
+def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: torch.Tensor,
+            result: dict[str, Any]) -> None:
+    """The warm phases of docs/protocol.md on a built rung, into `result`."""
+    gpu = cell.device == "cuda"
+    stream = stream_of(built, cell)
+    sync = sync_of(built, cell)
+    out_shape, out_dtype = result.pop("output").values()
     result["stream"] = built.stream_description
     forward = built.forward
-
     clock = Clock(stream)
     timed_call = timed_forward(forward, example, clock)
 
@@ -194,16 +219,18 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     wmin, wmax, ws = int(kv["warmup-min"]), int(kv["warmup-max"]), float(kv["warmup-s"])
     while len(warm) < wmax and (time.perf_counter() - t < ws or len(warm) < wmin):
         warm.append(timed_call())
-        if len(warm) >= max(wmin, 20):
-            last, prev = _median(warm[-10:]), _median(warm[-20:-10])
+        if len(warm) >= max(wmin, 10):
+            half = len(warm) // 2
+            last, prev = _median(warm[half:]), _median(warm[:half])
             if abs(last - prev) <= 0.02 * prev:
                 stable = True
                 break
     result["warmup"] = {"iters": len(warm), "stable": stable}
 
     phase("latency")
-    lat, host = latency_pass(timed_call, int(kv["iters"]), float(kv["min-time-s"]), int(kv["max-iters"]))
-    result["latency"] = {"samples_ms": lat}
+    lat, host, stopped = latency_pass(timed_call, int(kv["iters"]), float(kv["min-time-s"]),
+                                      float(kv["max-time-s"]), int(kv["max-iters"]), float(kv["precision"]))
+    result["latency"] = {"samples_ms": lat, "stopped": stopped}
     result["host"] = {"samples_us": host}
 
     phase("pipelined")
@@ -231,6 +258,7 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
             stream.synchronize()
             return (time.perf_counter() - t0) * 1e3
 
+        # device: the output still goes to pinned memory (as in the C++ driver), so only the input copy differs
         for _ in range(int(kv["e2e-iters"])):
             e2e["device_ms"].append(end_to_end(None, pinned_out))
             e2e["pageable_ms"].append(end_to_end(pageable_in, pageable_out))
@@ -261,33 +289,62 @@ def run(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
         sync()
     result["util"] = {"iters": iters, "seconds": time.perf_counter() - t}
 
-    phase("after")  # rung facts that need the measured state (recompiles, guard cost); outside every timing
+    phase("after")  # rung facts that need the measured state (guard cost); outside every timing
     stats = dict(built.stats)
     after = getattr(tier, "after", None)
     if after is not None:
         stats.update(after(built, example, cell))
     result["build_stats"] = stats
+    if kv.get("hot-start") == "1":
+        phase("hot")
+        result["hot_start"] = tier.hot_start(built, example, cell)
 
+
+def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
+    """One cell: cold part, then (unless --build-only 1) the warm phases. The result JSON of docs/protocol.md."""
+    cell = cell_from_args(kv, options)
+    result: dict[str, Any] = {"cold": {}}
+    if cell.device == "cuda":  # per cell, in a process that measures several: peaks and caches of this cell only
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    tier, built, example = build(kv, cell, result)
+    if kv.get("build-only") == "1":
+        result.pop("output")
+        return result
+    measure(kv, cell, tier, built, example, result)
     phase("done")
     result["rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 
 
-def main(argv: list[str]) -> int:
+def run_one(argv: list[str]) -> bool:
+    """Runs one cell's contract; its result file, or an `@@error` line. Returns whether it succeeded."""
     kv, options = parse_args(argv)
     try:
         with torch.inference_mode():
-            result = run(kv, options)
-    except Unavailable as e:
-        print(f"@@error {e}", flush=True)
-        return 3
+            result = run_cell(kv, options)
     except Exception as e:  # the traceback goes to stderr; the parent records the exception's own words
         traceback.print_exc()
         print(f"@@error {type(e).__name__}: {' '.join(str(e).split())[:600]}", flush=True)
-        return 1
+        return False
+    finally:
+        gc.collect()
     with open(kv["result"], "w") as f:
         json.dump(result, f)
-    return 0
+    return True
+
+
+def main(argv: list[str]) -> int:
+    """`--cells FILE`: a JSON list of single-cell command lines, measured in turn in this process (each announced
+    with `@@cell I`; a failing cell reports `@@error` and the next one runs). Otherwise one cell's command line."""
+    if argv[:1] == ["--cells"]:
+        jobs = json.loads(open(argv[1]).read())
+        ok = True
+        for i, job in enumerate(jobs):
+            print(f"@@cell {i}", flush=True)
+            ok &= run_one(job)
+        return 0 if ok else 1
+    return 0 if run_one(argv) else 1
 
 
 if __name__ == "__main__":

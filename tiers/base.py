@@ -90,6 +90,14 @@ class Tier:
     cuda_graph: bool = False  # whether the rung can run captured in a CUDA graph (--cuda-graph)
     # Rung-specific options (`--option TIER:KEY=VALUE`): key -> its valid values, or None for a positive integer.
     options: dict[str, tuple[str, ...] | None] = {}
+    # The rung's caches on disk, kept between processes under the run's cache directory (its `--cache-dir`): a
+    # rung with caches has cold (empty) and warm-start (kept) starts, and the runner fills them before measuring.
+    caches: tuple[str, ...] = ()
+    # Whether the prepare stage may fill those caches with build-only processes running side by side (no timing
+    # goes into filling them; a rung that autotunes while building may not).
+    warm_in_prepare: bool = False
+    # Whether one built rung takes another batch size (the 'hot' start: a new shape in the same process).
+    batch_change: bool = False
 
     def availability(self, device: str) -> str | None:
         """None if the rung can run on `device` ('cuda' or 'cpu'), else the exact reason it cannot."""
@@ -118,6 +126,21 @@ class PythonTier(Tier):
         `example`: the input on the device in the cell's dtype and layout."""
         raise NotImplementedError
 
+    def hot_start(self, built: Built, example: Any, cell: Cell) -> dict[str, Any]:
+        """The hot start: in the same process, the first call at a new batch size (batch + 1), synchronised."""
+        import time
+
+        import torch
+
+        if not self.batch_change or cell.cuda_graph:
+            return {"batch_change": None, "reason": f"{cell.label} runs one fixed batch size"}
+        bigger = torch.cat([example, example[:1]])
+        t = time.perf_counter()
+        built.forward(bigger)
+        if example.is_cuda:
+            torch.cuda.synchronize()
+        return {"batch_change": f"{cell.batch} -> {cell.batch + 1}", "first_call_s": time.perf_counter() - t}
+
 
 class ExternalTier(Tier):
     kind = "external"
@@ -125,6 +148,10 @@ class ExternalTier(Tier):
     def command(self, cell: Cell) -> list[str]:
         """The program to start for this cell (built and cached on first use), before the contract's options."""
         raise NotImplementedError
+
+    def built(self, cell: Cell) -> bool:
+        """Whether the program for this cell is already built (its build cached), so starting it costs no build."""
+        return False
 
     def prepare(self, cell: Cell, weights: Any, workdir: Any) -> dict[str, str]:
         """Files the program needs made from the run's weights (e.g. a TorchScript module), written under

@@ -3,7 +3,8 @@
 Besides the protocol's figures it reports what the compiler did and what it costs per call:
 graphs and graph breaks (Dynamo's counters), guards of the cache entry that serves the call and the time to
 evaluate the cache entries' guards for one call (what Dynamo does before every call, timed directly on its guard
-managers, 1000 evaluations), and the recompiles triggered when the batch size changes (batch + 1)."""
+managers, 1000 evaluations), and, in the hot start (batch + 1), the recompiles that the new shape triggers.
+Its caches (Inductor's FX graph and AOTAutograd caches, Triton's kernels) live in the run's cache directory."""
 from __future__ import annotations
 
 import inspect
@@ -20,6 +21,9 @@ class Compile(PythonTier):
     name = "compile"
     summary = "torch.compile / Inductor (mode from --compile-mode)"
     options = {"compile-mode": MODES}
+    caches = ("inductor", "triton")
+    warm_in_prepare = True
+    batch_change = True
 
     def build(self, model, example, cell):
         mode = cell.option("compile-mode", "default")
@@ -40,16 +44,14 @@ class Compile(PythonTier):
             "graph_break_reasons": sorted(counters["graph_break"])[:5],
         }
         facts.update(guard_cost(module, example))
-        before = counters["stats"]["unique_graphs"]
-        bigger = torch.cat([example, example[:1]])
-        t = time.perf_counter()
-        built.forward(bigger)
-        if example.is_cuda:
-            torch.cuda.synchronize()
-        facts["recompiles_on_batch_change"] = counters["stats"]["unique_graphs"] - before
-        facts["batch_change_first_call_s"] = time.perf_counter() - t
-        facts["batch_change"] = f"{cell.batch} -> {cell.batch + 1}"
         return facts
+
+    def hot_start(self, built, example, cell):
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        hot = super().hot_start(built, example, cell)
+        return {**hot, "recompiles": counters["stats"]["unique_graphs"] - before}
 
 
 def guard_cost(module: torch.nn.Module, example: torch.Tensor) -> dict:

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.cbuild import cmake_build
+from harness.cbuild import build_dir, cmake_build, sources_missing
 from tiers.base import Cell, ExternalTier, Unavailable
 
 TOOLKIT = Path("/usr/local/cuda")
@@ -114,6 +114,7 @@ def _cuda_arch() -> str:
 
 class CudnnTier(ExternalTier):
     options = {"autotune": None, "workspace-mb": None}
+    caches = ("engines",)  # engine choices per convolution (engines.tsv in the run's cache; one shipped per GPU)
     name = "cudnn"
     summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
     models = ("resnet50",)
@@ -122,20 +123,28 @@ class CudnnTier(ExternalTier):
     def availability(self, device: str) -> str | None:
         if device != "cuda":
             return "needs a CUDA GPU"
+        if sources_missing():
+            return sources_missing()
         try:
             toolchain()
         except Unavailable as e:
             return str(e)
         return None
 
-    def build(self) -> Path:
-        """The rung's binary, built once per toolchain and source digest."""
+    def _key(self) -> dict[str, str]:
         import torch
 
         tc = toolchain()
+        return {"cudnn": tc.cudnn_version, "cuda": tc.cuda_version, "torch": torch.__version__, "arch": _cuda_arch()}
+
+    def built(self, cell: Cell) -> bool:
+        return self.availability("cuda") is None and (build_dir("cudnn", self._key()) / "ladder_cudnn").exists()
+
+    def build(self) -> Path:
+        """The rung's binary, built once per toolchain and source digest."""
+        tc = toolchain()
         arch = _cuda_arch()
-        key = {"cudnn": tc.cudnn_version, "cuda": tc.cuda_version, "torch": torch.__version__, "arch": arch}
-        return cmake_build("cudnn", key, [
+        return cmake_build("cudnn", self._key(), [
             f"-DCMAKE_CUDA_COMPILER={tc.nvcc}",
             f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
             f"-DCUDNN_INCLUDE_DIR={tc.cudnn_include}",

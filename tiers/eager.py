@@ -6,6 +6,7 @@ class Eager(PythonTier):
     name = "eager"
     summary = "PyTorch eager (inference_mode)"
     cuda_graph = True
+    batch_change = True
 
     def build(self, model, example, cell):
         return Built(forward=place_model(model, cell))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from harness.cbuild import REPO, cmake_build
+from harness import proc as procs
+from harness.cbuild import REPO, build_dir, cmake_build, sources_missing
 from tiers.base import Cell, ExternalTier, Unavailable
 
 
@@ -27,6 +27,8 @@ def _missing() -> str | None:
     """Why the C++ project cannot be built here, or None."""
     import torch
 
+    if sources_missing():
+        return sources_missing()
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             return f"{tool} not found on PATH"
@@ -51,6 +53,14 @@ class LibTorch(ExternalTier):
     def availability(self, device: str) -> str | None:
         return _missing()
 
+    def _key(self) -> dict[str, str]:
+        import torch
+
+        return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(_cuda_home().resolve())}
+
+    def built(self, cell: Cell) -> bool:
+        return _missing() is None and (build_dir("libtorch", self._key()) / self.target).exists()
+
     def command(self, cell: Cell) -> list[str]:
         import torch
 
@@ -58,10 +68,9 @@ class LibTorch(ExternalTier):
         if reason:
             raise Unavailable(reason)
         home = _cuda_home()
-        key = {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(home.resolve())}
         args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
                 f"-DCMAKE_CUDA_COMPILER={home / 'bin' / 'nvcc'}"]
-        return [str(cmake_build("libtorch", key, args, self.target))]
+        return [str(cmake_build("libtorch", self._key(), args, self.target))]
 
 
 class TorchScriptCpp(LibTorch):
@@ -73,9 +82,10 @@ class TorchScriptCpp(LibTorch):
     def prepare(self, cell: Cell, weights: Path, workdir: Path) -> dict[str, str]:
         """Exports the cell's TorchScript module into `workdir` in a process of its own (tiers/torchscript_export.py)."""
         out = Path(workdir) / "model.torchscript.pt"
-        proc = subprocess.run([sys.executable, "-m", "tiers.torchscript_export", "--cell", json.dumps(cell.to_dict()),
-                               "--weights", str(weights), "--out", str(out)],
-                              cwd=REPO, capture_output=True, text=True)
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        proc = procs.run([sys.executable, "-m", "tiers.torchscript_export", "--cell", json.dumps(cell.to_dict()),
+                          "--weights", str(weights), "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                         text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-3:]
             raise RuntimeError("TorchScript export failed: " + " | ".join(tail))

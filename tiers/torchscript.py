@@ -10,6 +10,7 @@ class TorchScript(PythonTier):
     name = "torchscript"
     summary = "torch.jit.trace + freeze + optimize_for_inference (deprecated since torch 2.10)"
     cuda_graph = True
+    batch_change = True
 
     def build(self, model, example, cell):
         module, facts = export_torchscript(place_model(model, cell), example)

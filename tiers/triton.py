@@ -1,18 +1,26 @@
 """Rung `triton`: the ResNet computed by our own Triton kernels (kernels/triton/), convolutions included.
 
 Build folds batch-norm into the weights, packs them for the implicit-GEMM kernel and runs one forward, which
-autotunes every kernel for this cell's shapes (or reads the tunings from Triton's disk cache); the time spent
-benchmarking configurations is this rung's JIT overhead, reported in build stats. Option autotune=off runs one
-heuristic config per kernel instead (fast builds, for parity checks).
+compiles every kernel for this cell's shapes with its configuration from the tuning tables (the one shipped for
+this GPU model unless `--retune`, and the run's own), autotuning the shapes they lack; the time spent
+benchmarking configurations is this rung's JIT overhead, reported in build stats with where the configurations
+came from. Option autotune=off runs one heuristic config per kernel instead (fast builds, for parity checks).
 """
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from tiers.base import Built, Cell, PythonTier, torch_dtype
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2")
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def _precision(dtype: str) -> str:
@@ -27,6 +35,8 @@ class TritonTier(PythonTier):
     models = MODELS
     cuda_graph = True
     options = {"autotune": ("on", "off")}
+    caches = ("triton",)
+    batch_change = True
 
     def availability(self, device: str) -> str | None:
         if device == "cpu":
@@ -43,20 +53,27 @@ class TritonTier(PythonTier):
         from kernels.triton import tuning
         from kernels.triton.resnet import TritonResNet
 
-        tune = cell.option("autotune", "on") == "on" and not tuning.INTERPRET
+        tune = cell.option("autotune", "on") == "on"
+        cache = os.environ.get("LADDER_CACHE_DIR")
+        tuned_file = Path(cache) / "tuned.json" if cache else None
+        tables = tuning.load_tables(os.environ.get("LADDER_TUNINGS"), tuned_file) if tune else []
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune)
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
-            net(example)  # compiles every kernel variant and autotunes every shape of this cell
+            net(example)  # compiles every kernel variant; configurations from the tables, else autotuned
         if example.is_cuda:
             torch.cuda.synchronize()
         benchmarks = tuning.STATS["benchmarks"] - before["benchmarks"]
+        if tuned_file and tuning.TUNED:
+            tuning.save_tuned(tuned_file, {"gpu": torch.cuda.get_device_name() if example.is_cuda else "cpu",
+                                           "triton": triton_version()})
         stats = {
-            "autotune": "on" if tune else ("interpreter" if tuning.INTERPRET else "off"),
+            "autotune": "on" if tune else "off",
+            "tuning_tables": tables,  # tuning tables read: shipped for this GPU model, and the run's own
+            "table_hits": tuning.STATS["table_hits"] - before["table_hits"],  # launches configured from a table
             "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
-            "autotune_benchmarks": benchmarks,  # configs timed; 0 = all tunings came from Triton's disk cache
-            "autotune_cache": ("miss" if benchmarks else "hit") if tune else None,
+            "autotune_benchmarks": benchmarks,  # configs timed; 0 = nothing autotuned here
             "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
             "launches_per_forward": net.launches,
         }

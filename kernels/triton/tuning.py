@@ -1,23 +1,58 @@
 """Autotuning shared by the kernels: whether to tune, how long it took, and how to launch either way.
 
-Every kernel is wrapped in `triton.autotune(..., cache_results=True)`: Triton benchmarks each configuration the first
-time it sees a new key (the shape arguments plus the dtypes of the tensors) and stores the timings in its on-disk
-cache (~/.triton/cache, keyed by Triton version, GPU target, kernel source, key and config list), so a later process
-on the same kind of GPU skips the benchmarking. Under the interpreter (TRITON_INTERPRET=1, CPU tests) or with
-autotuning switched off, a kernel runs one fixed configuration chosen by a small heuristic instead.
+Where a kernel launches, its configuration comes from, in turn:
+1. a tuning table: the one shipped for this GPU model (kernels/tunings/<gpu>/triton.json, as vLLM ships its
+   Triton configs), merged with the table of earlier processes of the same run (`tuned.json` in the run's cache);
+   `load_tables` reads them, keyed by kernel, shape arguments and tensor dtypes;
+2. else autotuning: every kernel is wrapped in `triton.autotune(..., cache_results=True)`, which benchmarks each
+   configuration for a new key and keeps the timings in Triton's disk cache; the winner joins `TUNED`, which
+   `save_tuned` writes back so the next process (or a `--retune` run's user, into kernels/tunings/) reuses it.
+Under the interpreter (TRITON_INTERPRET=1, CPU tests) or with autotuning switched off, a kernel runs one fixed
+configuration chosen by a small heuristic instead.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Wall time spent benchmarking configurations (their JIT compilation included): the rung's autotuning overhead.
-# A build that adds nothing here was served entirely from the disk cache.
-STATS = {"seconds": 0.0, "benchmarks": 0}
+# A build that adds nothing here was served entirely from a table or the disk cache. `table_hits`: launches whose
+# configuration came from a tuning table.
+STATS = {"seconds": 0.0, "benchmarks": 0, "table_hits": 0}
+TABLE: dict[str, dict] = {}  # key -> configuration, from the tuning tables
+TUNED: dict[str, dict] = {}  # key -> configuration chosen by autotuning in this process
+
+
+def load_tables(*paths: Path | None) -> list[str]:
+    """Merges the tuning tables that exist among `paths` into TABLE (later ones win); returns those read."""
+    read = []
+    for path in paths:
+        if path and Path(path).is_file():
+            TABLE.update(json.loads(Path(path).read_text())["configs"])
+            read.append(str(path))
+    return read
+
+
+def save_tuned(path: Path, about: dict) -> None:
+    """Writes TABLE's entries used here plus TUNED to `path` (atomically), the table format that load_tables reads."""
+    path = Path(path)
+    known = json.loads(path.read_text())["configs"] if path.is_file() else {}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**about, "configs": {**known, **TUNED}}, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def table_key(kernel, args) -> str:
+    """What the autotuner keys on: the kernel, its `key` arguments' values and the dtypes of its tensor arguments."""
+    bound = dict(zip(kernel.arg_names, args))
+    dtypes = [str(a.dtype).removeprefix("torch.") for a in args if hasattr(a, "dtype")]
+    return f"{kernel.fn.__name__}|{','.join(str(bound[k]) for k in kernel.keys)}|{','.join(dtypes)}"
 
 
 def bench(kernel_call, quantiles):
@@ -37,9 +72,19 @@ def autotune(configs, key, prune=None):
 
 
 def launch(kernel, grid, args, tune: bool, fixed: dict):
-    """Run an autotuned `kernel` on `args`, or (interpreter, tuning off) its plain JIT function with `fixed`,
-    a dict of meta-parameters plus num_warps/num_stages."""
-    if tune and not INTERPRET:
+    """Run an autotuned `kernel` on `args` with its configuration from a tuning table, else autotuned (on the GPU),
+    else (tuning off, or the interpreter without a table entry) its plain JIT function with `fixed`, a dict of
+    meta-parameters plus num_warps/num_stages."""
+    config = None
+    if tune:
+        key = table_key(kernel, args)
+        config = TABLE.get(key) or TUNED.get(key)
+        STATS["table_hits"] += key in TABLE
+    if config is not None:
+        kernel.fn[grid](*args, **config["kwargs"], num_warps=config["num_warps"], num_stages=config["num_stages"])
+    elif tune and not INTERPRET:
         kernel[grid](*args)
+        best = kernel.best_config
+        TUNED[key] = {"kwargs": dict(best.kwargs), "num_warps": best.num_warps, "num_stages": best.num_stages}
     else:
         kernel.fn[grid](*args, **fixed)

@@ -129,6 +129,19 @@ inline double median_of(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Half-width of the median's distribution-free 95% confidence interval relative to the median: order statistics
+// at ranks (n - z*sqrt(n))/2 and 1 + (n + z*sqrt(n))/2 (1-based), as harness/stats.py median_ci_rel.
+inline double median_ci_rel(std::vector<double> v) {
+  const size_t n = v.size();
+  if (n < 3) return INFINITY;
+  std::sort(v.begin(), v.end());
+  const double half = 1.96 * std::sqrt(double(n));
+  const long lo = std::max(long(std::floor((n - half) / 2)) - 1, 0L);
+  const long hi = std::min(long(std::ceil(1 + (n + half) / 2)) - 1, long(n) - 1);
+  const double med = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return med > 0 ? (v[hi] - v[lo]) / (2 * med) : INFINITY;
+}
+
 inline void synchronize(const Args& a, Rung& r) { if (a.on_gpu()) LADDER_CUDA(cudaStreamSynchronize(r.stream())); }
 
 inline int run_child_impl(const Args& a, const RungFactory& factory) {
@@ -175,8 +188,9 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   t = now_s();
   while ((int)w.size() < a.i("warmup-max") && (now_s() - t < a.d("warmup-s") || (int)w.size() < a.i("warmup-min"))) {
     w.push_back(timed_call(nullptr));
-    if ((int)w.size() >= std::max(a.i("warmup-min"), 20)) {
-      double last = median_of({w.end() - 10, w.end()}), prev = median_of({w.end() - 20, w.end() - 10});
+    if ((int)w.size() >= std::max(a.i("warmup-min"), 10)) {  // second half's median within 2% of the first's
+      const auto mid = w.begin() + w.size() / 2;
+      double last = median_of({mid, w.end()}), prev = median_of({w.begin(), mid});
       if (std::abs(last - prev) <= 0.02 * prev) { stable = true; break; }
     }
   }
@@ -186,19 +200,29 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   result["warmup"] = warm;
 
   phase("latency");
+  // Until the median is known to +-precision (95% CI), after --iters calls and --min-time-s; at most --max-time-s
+  // or --max-iters (harness/worker.py latency_pass).
   std::vector<double> lat, host;
+  std::string stopped;
   t = now_s();
-  while ((int)lat.size() < a.i("max-iters") && ((int)lat.size() < a.i("iters") || now_s() - t < a.d("min-time-s"))) {
+  while (stopped.empty()) {
     double h = 0;
     lat.push_back(timed_call(&h));
     host.push_back(h);
+    const double elapsed = now_s() - t;
+    if ((int)lat.size() >= a.i("max-iters")) stopped = "iters";
+    else if ((int)lat.size() >= a.i("iters") && elapsed >= a.d("min-time-s")) {
+      if (median_ci_rel(lat) <= a.d("precision")) stopped = "precision";
+      else if (elapsed >= a.d("max-time-s")) stopped = "time";
+    }
   }
-  Json latency = Json::object(); latency["samples_ms"] = Json(lat); result["latency"] = latency;
+  Json latency = Json::object(); latency["samples_ms"] = Json(lat); latency["stopped"] = stopped;
+  result["latency"] = latency;
   Json hostj = Json::object(); hostj["samples_us"] = Json(host); result["host"] = hostj;
 
   phase("pipelined");
-  // At least --pipelined-iters forwards, and enough to last --min-time-s at the measured latency.
-  int n = std::max(a.i("pipelined-iters"), (int)std::ceil(a.d("min-time-s") * 1e3 / median_of(lat)));
+  // At least --pipelined-iters forwards, and enough to last --pipelined-s at the measured latency.
+  int n = std::max(a.i("pipelined-iters"), (int)std::ceil(a.d("pipelined-s") * 1e3 / median_of(lat)));
   timer.start();
   for (int i = 0; i < n; ++i) rung->forward();
   timer.stop();
@@ -226,8 +250,8 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
       LADDER_CUDA(cudaStreamSynchronize(s));
       return (now_s() - t0) * 1e3;
     };
-    for (int i = 0; i < a.i("e2e-iters"); ++i) {
-      dev.push_back(run(nullptr, host_out.data(), false));
+    for (int i = 0; i < a.i("e2e-iters"); ++i) {  // device: output to pinned memory, as harness/worker.py
+      dev.push_back(run(nullptr, pin_out, false));
       pageable.push_back(run(host_in.data(), host_out.data(), true));
       pinned.push_back(run(pin_in, pin_out, true));
     }

@@ -229,7 +229,9 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
   std::unique_ptr<Desc> best_cfg;
   std::string errors;
   int listed = 0, allowed_n = 0, finalized_ok = 0;  // for the message when nothing runs
-  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+  const cudnnBackendHeurMode_t modes[] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
+  for (int mode_i = 0; mode_i < 2; ++mode_i) {
+    const cudnnBackendHeurMode_t mode = modes[mode_i];
     int finalized = 0;  // runtime-compiled engines compile in finalize: bound the attempts, not only the successes
     std::vector<Desc> cfgs;
     try {
@@ -239,7 +241,8 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       continue;
     }
     listed += int(cfgs.size());
-    for (Desc& cfg : cfgs) {
+    for (size_t pos = 0; pos < cfgs.size(); ++pos) {
+      Desc& cfg = cfgs[pos];
       if (best->tried >= candidates) break;
       EngineInfo info = engine_info(cfg);
       if (!allowed(info, *spec.precision)) continue;
@@ -266,6 +269,8 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       best->plan = std::move(plan);
       best_cfg = std::make_unique<Desc>(std::move(cfg));
       best->tuned_ms = ms;
+      best->heur_mode = mode_i;
+      best->heur_index = int(pos);
       best->workspace = need;
       best->engine = info.index;
       best->tensor_core = info.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
@@ -282,6 +287,44 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
 }
 
 }  // namespace
+
+std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
+                                           TuningWorkspace& ws, const EngineChoice& choice) {
+  auto out = std::make_shared<ConvPlan>();
+  out->keep = build_graph(handle, spec, choice.fused);
+  out->fused = choice.fused;
+  std::vector<Desc> cfgs;
+  try {
+    cfgs = engine_configs(out->keep.back(), choice.heur_mode ? CUDNN_HEUR_MODE_FALLBACK : CUDNN_HEUR_MODE_A);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+  if (choice.heur_index < 0 || size_t(choice.heur_index) >= cfgs.size()) return nullptr;
+  Desc& cfg = cfgs[choice.heur_index];
+  EngineInfo info = engine_info(cfg);
+  if (!allowed(info, *spec.precision)) return nullptr;
+  out->plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+  out->plan->set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
+      .set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
+  if (cudnnBackendFinalize(out->plan->get()) != CUDNN_STATUS_SUCCESS) return nullptr;
+  int64_t need = 0, n = 0;
+  check(cudnnBackendGetAttribute(out->plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n,
+                                 &need),
+        "plan workspace size");
+  if (size_t(need) > ws.limit()) return nullptr;
+  Desc pack = variant_pack(spec, choice.fused, io, ws.ensure(size_t(need)));
+  if (cudnnBackendExecute(handle, out->plan->get(), pack.get()) != CUDNN_STATUS_SUCCESS) return nullptr;
+  out->workspace = need;
+  out->engine = info.index;
+  out->tensor_core = info.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
+  out->runtime_compiled = info.has(CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION);
+  out->heur_mode = choice.heur_mode;
+  out->heur_index = choice.heur_index;
+  out->tuned_ms = -1;
+  if (!choice.fused) out->unfused_reason = "engine table";
+  out->keep.push_back(std::move(cfg));
+  return out;
+}
 
 Desc::Desc(cudnnBackendDescriptorType_t type) {
   check(cudnnBackendCreateDescriptor(type, &d_), "create backend descriptor " + std::to_string(int(type)));
@@ -334,7 +377,8 @@ ladder::Json ConvPlan::stats() const {
   j["runtime_compiled"] = runtime_compiled;
   j["workspace_bytes"] = static_cast<long long>(workspace);
   j["candidates_timed"] = tried;
-  j["tuned_ms"] = tuned_ms;
+  j["choice"] = tried ? "tuned" : "engine table";
+  j["tuned_ms"] = tuned_ms >= 0 ? ladder::Json(tuned_ms) : ladder::Json();
   j["fused_ms"] = fused_ms >= 0 ? ladder::Json(fused_ms) : ladder::Json();  // null: no engine for that variant
   j["unfused_ms"] = unfused_ms >= 0 ? ladder::Json(unfused_ms) : ladder::Json();
   return j;

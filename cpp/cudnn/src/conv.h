@@ -62,8 +62,9 @@ struct ConvPlan {
   int64_t engine = -1;         // global engine index
   bool tensor_core = false, runtime_compiled = false;
   int64_t workspace = 0;
-  int tried = 0;               // candidates timed
-  double tuned_ms = 0;         // its median time while tuning (unfused: with our epilogue kernel)
+  int tried = 0;               // candidates timed (0: the choice came from an engine table)
+  int heur_mode = 0, heur_index = -1;  // where the choice sits: heuristic mode (0 A, 1 fallback), position in its list
+  double tuned_ms = 0;         // its median time while tuning (unfused: with our epilogue kernel); -1 from a table
   double fused_ms = -1, unfused_ms = -1;  // the best of each variant; -1: no engine runs that variant
   ladder::Json stats() const;
 };
@@ -77,6 +78,16 @@ struct ConvSpec {
 
 std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
                                     TuningWorkspace& ws, int candidates, cudaStream_t stream);
+
+// An engine choice as an engine table keeps it (one line: key, fused, heuristic mode, position in its list).
+struct EngineChoice {
+  bool fused;
+  int heur_mode, heur_index;
+};
+
+// The plan of a remembered choice, untimed; nullptr if it no longer finalizes, runs or fits (then: tune).
+std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
+                                           TuningWorkspace& ws, const EngineChoice& choice);
 
 // One convolution of the network: a tuned plan bound to its buffers and the shared workspace.
 class ConvLayer {

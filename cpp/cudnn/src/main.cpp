@@ -12,8 +12,14 @@ rung::NetOptions options(const ladder::Args& a) {
   rung::Precision p = rung::Precision::parse(a.get("dtype"));
   // 16-bit data goes NHWC (the tensor-core layout); fp32/tf32 take the cell's layout, so both are measurable.
   bool nhwc = p.storage != rung::Storage::F32 || a.flag("channels-last");
+  // Engine tables: --tunings (shipped for this GPU model; absent under --retune) and the run's own in --cache-dir,
+  // to which choices tuned here are appended.
+  std::vector<std::string> tables;
+  if (!a.get("tunings", "").empty()) tables.push_back(a.get("tunings"));
+  const std::string own = a.get("cache-dir", "").empty() ? "" : a.get("cache-dir") + "/engines.tsv";
+  if (!own.empty()) tables.push_back(own);
   return {a.i("batch"), a.i("res"), p, nhwc, std::stoi(a.option("autotune", "8")),
-          std::stoull(a.option("workspace-mb", "512")) << 20};
+          std::stoull(a.option("workspace-mb", "512")) << 20, tables, own};
 }
 
 cudaStream_t make_stream() {

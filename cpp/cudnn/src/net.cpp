@@ -2,6 +2,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
 
 #include "kernels.h"
 
@@ -19,6 +22,33 @@ struct ResNet50::Pool {
 };
 
 namespace {
+
+// Engine tables: one choice per line, "key<TAB>fused<TAB>heuristic mode<TAB>position"; later files win.
+std::map<std::string, EngineChoice> read_engine_tables(const std::vector<std::string>& paths) {
+  std::map<std::string, EngineChoice> table;
+  for (const std::string& path : paths) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string key;
+      EngineChoice c{};
+      int fused = 0;
+      if (std::getline(fields, key, '\t') && fields >> fused >> c.heur_mode >> c.heur_index) {
+        c.fused = fused != 0;
+        table[key] = c;
+      }
+    }
+  }
+  return table;
+}
+
+// One line per write, appended: a later process of the run reuses the choice.
+void append_engine_choice(const std::string& path, const std::string& key, const EngineChoice& c) {
+  if (path.empty()) return;
+  std::ofstream(path, std::ios::app) << key << '\t' << int(c.fused) << '\t' << c.heur_mode << '\t' << c.heur_index
+                                     << '\n' << std::flush;
+}
 
 constexpr double kBnEps = 1e-5;  // torchvision's BatchNorm2d default
 
@@ -151,13 +181,25 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   {
     TuningWorkspace scratch(o_.workspace_limit);
     std::map<std::string, std::shared_ptr<ConvPlan>> tuned;
+    // Engine tables: the key names everything a choice depends on besides the GPU model (the table's folder).
+    const std::string prefix = "cudnn" + std::to_string(cudnnGetVersion()) + " " + p.name + (o_.nhwc ? " nhwc " : " nchw ");
+    std::map<std::string, EngineChoice> table = read_engine_tables(o_.engine_tables);
+    int from_table = 0;
     for (size_t i = 0; i < defs_.size(); ++i) {
       const ConvDef& d = defs_[i];
       ConvIO io{acts_[d.in].ptr, wptr(offsets[i].first), wptr(offsets[i].second),
                 d.residual >= 0 ? acts_[d.residual].ptr : nullptr, acts_[d.out].ptr};
       std::string key = d.spec.shape.str() + " " + epilogue_name(d.spec.epilogue);
       auto& plan = tuned[key];
-      if (!plan) plan = tune_conv(handle_, d.spec, io, scratch, o_.candidates, stream_);
+      auto known = table.find(prefix + key);
+      if (!plan && known != table.end()) {
+        plan = plan_from_choice(handle_, d.spec, io, scratch, known->second);
+        from_table += bool(plan);
+      }
+      if (!plan) {
+        plan = tune_conv(handle_, d.spec, io, scratch, o_.candidates, stream_);
+        append_engine_choice(o_.engine_table_out, prefix + key, {plan->fused, plan->heur_mode, plan->heur_index});
+      }
       workspace = std::max(workspace, size_t(plan->workspace));
       convs_.emplace_back(d.name, d.spec, io, plan);
     }
@@ -165,6 +207,10 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
                                    output_.get(), scratch, stream_);
     workspace = std::max(workspace, fc_->workspace());
     stats["distinct_conv_plans"] = int(tuned.size());
+    stats["conv_plans_from_engine_tables"] = from_table;
+    ladder::Json tables = ladder::Json::array();
+    for (const std::string& t : o_.engine_tables) tables.push_back(t);
+    stats["engine_tables"] = tables;
   }
   stats["autotune_s"] = ladder::now_s() - t0;
 

@@ -18,6 +18,8 @@ struct NetOptions {
   bool nhwc;              // activations NHWC (always for fp16/bf16) or NCHW
   int candidates;         // engine configurations timed per distinct convolution
   size_t workspace_limit; // the most workspace one candidate may ask for
+  std::vector<std::string> engine_tables;  // engine choices to reuse (shipped for this GPU, the run's own), read
+  std::string engine_table_out;            // where choices tuned here are appended ("" = nowhere)
 };
 
 class ResNet50 {

@@ -1,0 +1,40 @@
+"""Memory a configuration needs, estimated before anything runs (the ladder's guard against a batch that cannot fit)."""
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+def activation_bytes_per_image(model_name: str, res: int) -> int:
+    """An upper estimate of the fp32 activations one image keeps alive in an inference forward: three times the
+    largest module output (a block's input, its branch and the skip), measured on the meta device (no memory)."""
+    import torch
+
+    from harness.model import skeleton
+
+    with torch.device("meta"):
+        model = skeleton(model_name).eval()
+    largest = [0]
+
+    def hook(_module, _inputs, output):
+        if isinstance(output, torch.Tensor):
+            largest[0] = max(largest[0], output.numel())
+
+    for m in model.modules():
+        if not list(m.children()):
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.empty(1, 3, res, res, device="meta"))
+    return 3 * largest[0] * 4
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
