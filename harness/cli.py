@@ -223,6 +223,12 @@ def plan(args, device: str) -> list[Cell]:
     return cells
 
 
+def refuse(message: str) -> int:
+    """A one-line error on stderr (never wrapped or styled), exit status 2."""
+    print(message, file=sys.stderr)
+    return 2
+
+
 class Refused(Exception):
     """A one-line reason the ladder will not start (bad path, locked directory, a configuration that cannot fit)."""
 
@@ -301,8 +307,7 @@ def cmd_ladder(args) -> int:
     console = Console()
     device = args.device or default_device()
     if device == "cuda" and default_device() != "cuda":
-        console.print("--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu", markup=False)
-        return 2
+        return refuse("ladder: --device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
     args.out = (args.out or Path("runs") / f"{args.model}-{device}").resolve()
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
                         min_time_s=args.min_time, max_time_s=max(args.max_time, args.min_time),
@@ -315,8 +320,7 @@ def cmd_ladder(args) -> int:
         run.lock()
         check_fits(args.model, cells, device)
     except (Refused, RunLocked) as e:
-        console.print(f"ladder: {e}", markup=False, style="red")
-        return 2
+        return refuse(f"ladder: {e}")
 
     env = environment(device, host_probe=args.host_probe)
     meta = {"model": args.model, "isolation": args.isolation, "environment": env,
@@ -328,9 +332,8 @@ def cmd_ladder(args) -> int:
         before, now = run_identity(old), run_identity(meta)
         differ = [k for k in now if before.get(k) != now[k]]
         if differ:
-            console.print(f"ladder: {run.path} holds a run with another {', '.join(differ)}; its cells would be "
-                          "mislabelled: give another --out", markup=False, style="red")
-            return 2
+            return refuse(f"ladder: {run.path} holds a run with another {', '.join(differ)}; its cells would be "
+                          "mislabelled: give another --out")
         meta = old
     else:
         run.write_weights()
@@ -342,8 +345,8 @@ def cmd_ladder(args) -> int:
                 proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
                                  env=child_env(), capture_output=True, text=True)
                 if proc.returncode != 0:
-                    console.print(f"ladder: measuring the matmul peak failed: {proc.stderr.strip()[-500:]}",
-                                  markup=False, style="red")
+                    print(f"ladder: measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}",
+                          file=sys.stderr)
                     return 1
                 meta["peak_tflops"]["measured"] = json.loads(peak_file.read_text())["tflops"]
         meta_path.write_text(json.dumps(meta, indent=1))
@@ -433,11 +436,9 @@ def cmd_report(args) -> int:
     try:
         records, meta = report.load_records(args.inputs)
     except report.BadInput as e:
-        print(f"report: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"report: {e}")
     if not records:
-        print(f"report: no records in {', '.join(map(str, args.inputs))}", file=sys.stderr)
-        return 2
+        return refuse(f"report: no records in {', '.join(map(str, args.inputs))}")
     doc = report.document(records, meta.get("environment", {}), meta.get("protocol", {}),
                           {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"]})
     Console().print(report.rich_table(records))

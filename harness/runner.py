@@ -210,8 +210,8 @@ class RunDir:
                              capture_output=True, text=True)
             if proc.returncode != 0:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:])
-                self._failed_refs[(batch, res)] = (status, f"eager reference (batch {batch}, res {res}) failed: "
-                                                           f"{reason}")
+                self._failed_refs[(batch, res)] = ("oom" if status == "oom" else "error",
+                                                   f"eager reference (batch {batch}, res {res}) failed: {reason}")
                 raise ReferenceFailed(*self._failed_refs[(batch, res)])
         return p
 
@@ -523,6 +523,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
         on_record({**record0, "status": "error", "reason": f"preparing {cells[0].tier}: {type(e).__name__}: {e}"})
         return 1
 
+    cache_kept = tier.caches and dir_bytes(cache) > 0  # a warm start needs something in the caches
     env = child_env(PYTHONUNBUFFERED="1", **cache_env(cache, tunings))
     stderr_path = cell_dir(run, cells[0]) / "stderr.txt"
     state = {"index": 0, "started": time.time(), "errors": {}, "contention": {}}
@@ -584,8 +585,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
         record["contention"] = state["contention"].get(i)
         if files["result"].exists():
             raw = json.loads(files["result"].read_text())
-            record["start"] = "hot" if i else ("warm-start" if (tier.caches and ctx.isolation == "rung")
-                                              or built_before else "cold")
+            record["start"] = "hot" if i else ("warm-start" if cache_kept or built_before else "cold")
             record["cache_bytes"] = dir_bytes(cache) if tier.caches else None
             record["prepared"] = ctx.prepared.get(cell.key, {}).get("facts")
             on_record(finish_record(ctx, record, cell, raw, time.time() - t_start))

@@ -1,5 +1,6 @@
 """Rungs that fail on purpose, loaded through LADDER_EXTRA_TIERS by the isolation tests: a real segfault, a
-Python exception, a hang past the timeout, and a rung that computes a different function."""
+Python exception, a hang past the timeout, a rung that computes a different function, and an error that looks
+like rich markup."""
 import ctypes
 import time
 
@@ -42,3 +43,15 @@ class WrongFunction(PythonTier):
 
 
 TIERS = [Segfault(), Raises(), Hangs(), WrongFunction()]
+
+
+class MarkupReason(PythonTier):
+    """An error whose words look like rich markup: a path in brackets and a style tag."""
+
+    name = "test-markup"
+
+    def build(self, model, example, cell):
+        raise RuntimeError("cannot open [/tmp/x] in [bold]build[/bold]")
+
+
+TIERS.append(MarkupReason())

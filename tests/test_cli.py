@@ -43,11 +43,15 @@ def test_bad_model_and_batch():
 
 
 def test_tiers_lists_every_rung_with_availability():
-    proc = harness("tiers")
+    proc = subprocess.run([sys.executable, "-m", "harness", "tiers"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"})
     assert proc.returncode == 0
+    rows = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.count("│") == 5}
     for name in ("eager", "torchscript", "compile", "onnxruntime"):
-        assert name in proc.stdout
-    assert "available" in proc.stdout
+        cuda, cpu = rows[name].split("│")[3:5]
+        assert cpu.strip() == "available", rows[name]
+        # this machine has no GPU: no rung may call itself available there
+        assert cuda.strip().startswith("unavailable"), rows[name]
 
 
 def test_a_rung_that_fails_to_import_is_listed_unavailable():
@@ -57,3 +61,44 @@ def test_a_rung_that_fails_to_import_is_listed_unavailable():
     assert proc.returncode == 0
     assert "no-such-rung" in proc.stdout and "failed to import" in proc.stdout
     assert "eager" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ladder", "--timeout", "0"], "0 must be a finite number > 0"),
+    (["ladder", "--timeout", "-5"], "-5 must be a finite number > 0"),
+    (["ladder", "--min-time", "inf"], "inf must be a finite number >= 0"),
+    (["ladder", "--precision", "2"], "2 must be a finite number > 0 and <= 1"),
+    (["ladder", "--res", "224x160"], "HxW is not supported"),
+])
+def test_bad_numbers_get_one_line(args, message):
+    proc = harness(*args)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+def test_bad_output_paths_get_one_line(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    base = ["ladder", "--device", "cpu", "--tiers", "eager", "--batch", "1", "--res", "32"]
+    for extra, message in ((["--out", str(a_file)], "exists and is not a directory"),
+                           (["--out", str(tmp_path / "o"), "--json", str(tmp_path)], "is a directory; give a file")):
+        proc = harness(*base, *extra)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"ladder: --{extra[-2].lstrip('-')} "
+                                                                              f"{extra[-1]}: {message}"
+                                                                              + ("" if "give" not in message else
+                                                                                 " name")], proc.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "empty file"),
+    ("not json", "not JSON"),
+    ('{"a": 1}', "not a ladder JSON document"),
+    ('{"results": [{"x": 1}]}', "record 0 is not a ladder record"),
+])
+def test_report_on_bad_files_gets_one_line(tmp_path, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    proc = harness("report", str(bad))
+    assert proc.returncode == 2 and proc.stderr.strip() == f"report: {bad}: {message}" or message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert harness("report", str(tmp_path)).stderr.strip() == f"report: {tmp_path}: is a directory; give its " \
+                                                             "results.jsonl or ladder.json"

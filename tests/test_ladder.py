@@ -7,8 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from tests.conftest import REPO, ladder, ladder_command, records
+from tests.conftest import FAST, REPO, ladder, ladder_command, records
 
 
 def test_python_rungs_pass_parity(python_rungs):
@@ -24,12 +25,13 @@ def test_python_rungs_pass_parity(python_rungs):
 def test_json_schema(python_rungs):
     doc = json.loads((python_rungs / "ladder.json").read_text())
     assert doc["schema_version"] == 1
-    for key in ("torch", "cudnn", "triton", "onnxruntime", "gpu", "cpu", "host_cpu"):
+    for key in ("torch", "cudnn", "triton", "onnxruntime", "gpu", "cpu"):
         assert key in doc["environment"]
-    host = doc["environment"]["host_cpu"]
-    assert 0 < host["p10_ms"] <= host["median_ms"] <= host["p90_ms"] and host["p90_over_p10"] >= 1
+    assert doc["environment"]["host_cpu"] is None  # the host probe is an option (--host-probe)
+    assert doc["command"].startswith("python -m harness ladder --device cpu") and doc["wall_s"] > 0
+    assert doc["isolation"] == "rung"
     assert set(doc["definitions"]) >= {"latency_ms", "memory", "cold", "parity", "e2e_ms", "host_overhead_us",
-                                       "measured_at", "source"}
+                                       "measured_at", "source", "start", "isolation", "contention", "latency_stopped"}
     source = doc["environment"]["source"]
     assert len(source["digest"]) == 16
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -46,21 +48,32 @@ def test_json_schema(python_rungs):
         assert r["cold"]["time_to_first_result_s"] >= r["cold"]["first_result_s"] > 0
         assert r["memory"]["rss_peak_bytes"] > 0
         assert r["tflops"]["flops_per_forward"] > 0
+        assert r["isolation"] == "rung" and r["process_position"] == 0
+        if r["tier"] == "compile":  # the prepare stage filled its caches cold; the measured process started warm
+            assert r["start"] == "warm-start" and r["prepared"]["start"] == "cold" and r["cache_bytes"] > 0
+            assert r["prepared"]["time_to_first_result_s"] > r["cold"]["time_to_first_result_s"]
+        else:
+            assert r["start"] == "cold"
+        assert r["latency_stopped"] in ("precision", "time", "iters")
+        assert r["contention"]["window_s"] > 0 and r["contention"]["other_cpus_busy"] >= 0
 
 
 def test_compile_reports_compiler_facts(python_rungs):
-    facts = next(r for r in records(python_rungs) if r["tier"] == "compile")["build_stats"]
+    rec = next(r for r in records(python_rungs) if r["tier"] == "compile")
+    facts = rec["build_stats"]
     assert facts["graphs"] >= 1 and facts["graph_breaks"] == 0
     assert facts["guards"] > 0 and facts["guard_check_us"] > 0
-    assert facts["recompiles_on_batch_change"] >= 0 and facts["batch_change"] == "2 -> 3"
+    # the hot start: batch 2 -> 3 in the same process recompiles once (static shapes)
+    assert rec["hot_start"]["batch_change"] == "2 -> 3" and rec["hot_start"]["recompiles"] == 1
+    assert rec["hot_start"]["first_call_s"] > 0
 
 
 def test_markdown_report(python_rungs):
     md = (python_rungs / "ladder.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| rung | batch | res | dtype | status | median ms")
-    assert len(table) == 1 + 4  # header + one row per cell
-    assert any(line.startswith("| compile(default) | 2 | 32 | fp32 | ok |") for line in table)
+    assert table[0].startswith("| rung | batch | res | dtype | layout | start | status | median ms")
+    assert len(table) == 2 + 4  # header, rule, one row per cell
+    assert any(line.startswith("| compile(default) | 2 | 32 | fp32 | nchw | cold | ok |") for line in table)
 
 
 def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
@@ -143,3 +156,154 @@ def test_resume_counts_an_option_at_its_rung_default_as_the_cell_already_run(pyt
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "1 already recorded" in proc.stdout
     assert (tmp_path / "results.jsonl").read_text() == (python_rungs / "results.jsonl").read_text()
+
+
+def test_one_process_per_rung_measures_its_cells_in_turn(tmp_path):
+    """--isolation rung (default): the second cell runs in the process of the first (hot); --isolation cell: each
+    in a fresh process (cold)."""
+    assert ladder(tmp_path / "rung", "--tiers", "eager", "--batch", "1,2", "--res", "32").returncode == 0
+    assert [(r["process_position"], r["start"]) for r in records(tmp_path / "rung")] == [(0, "cold"), (1, "hot")]
+    proc = ladder(tmp_path / "cell", "--tiers", "eager", "--batch", "1,2", "--res", "32", "--isolation", "cell")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(r["process_position"], r["start"]) for r in records(tmp_path / "cell")] == [(0, "cold"), (0, "cold")]
+    assert all(r["isolation"] == "cell" for r in records(tmp_path / "cell"))
+
+
+def test_ladder_runs_from_any_directory(tmp_path):
+    """Relative --out from a foreign working directory: children get absolute paths."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _, env = ladder_command(tmp_path)
+    argv = [sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--tiers", "eager,onnxruntime", "--batch",
+            "1", "--res", "32", "--out", "rel-out", *FAST]
+    proc = subprocess.run(argv, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = elsewhere / "rel-out"
+    assert [r["status"] for r in records(out)] == ["ok", "ok"]
+    assert (out / "ladder.md").exists()
+
+
+def test_rerun_with_another_protocol_is_refused(tmp_path):
+    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+    proc = ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32", "--isolation", "cell")
+    assert proc.returncode == 2
+    assert "holds a run with another isolation" in proc.stderr and "give another --out" in proc.stderr
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1
+
+
+def descendants(pid: int) -> set[int]:
+    from harness.runner import process_tree
+
+    return set(process_tree(pid)) - {pid}
+
+
+def wait_for_hanging_child(proc, tmp_path) -> set[int]:
+    """Waits until the ladder has recorded eager and started the hanging cell's child; returns its process tree."""
+    deadline = time.time() + 600
+    results = tmp_path / "results.jsonl"
+    while time.time() < deadline:
+        if results.exists() and results.read_text().strip():
+            time.sleep(3)  # the hanging child is building now
+            kids = descendants(proc.pid)
+            if kids:
+                return kids
+        time.sleep(0.2)
+    raise AssertionError("the hanging cell never started")
+
+
+def alive(pids: set[int]) -> set[int]:
+    left = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            left.add(p)
+    return left
+
+
+def test_sigterm_ends_the_ladder_like_ctrl_c_and_leaves_no_child(tmp_path):
+    argv, env = ladder_command(tmp_path, "--tiers", "eager,test-hangs", "--batch", "1", "--res", "32",
+                               extra_tiers=True)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kids = wait_for_hanging_child(proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert not alive(kids)
+    statuses = [r["status"] for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())]
+    assert statuses == ["ok", "interrupted"]
+    assert [r["tier"] for r in records(tmp_path)] == ["eager", "test-hangs"]  # ladder.json written
+
+
+def test_sigkill_of_the_ladder_kills_its_children(tmp_path):
+    argv, env = ladder_command(tmp_path, "--tiers", "eager,test-hangs", "--batch", "1", "--res", "32",
+                               extra_tiers=True)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids = wait_for_hanging_child(proc, tmp_path)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while alive(kids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(kids)
+
+
+def test_two_ladders_on_one_directory(tmp_path):
+    argv, env = ladder_command(tmp_path, "--tiers", "eager,test-hangs", "--batch", "1", "--res", "32",
+                               extra_tiers=True)
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_hanging_child(first, tmp_path)
+        second = ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32")
+        assert second.returncode == 2
+        assert f"is in use by another ladder (PID {first.pid})" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    # the dead holder's lock is taken over
+    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+
+
+def test_a_reason_that_looks_like_markup_is_shown_verbatim(tmp_path):
+    proc = ladder(tmp_path, "--tiers", "test-markup,eager", "--batch", "1", "--res", "32", extra_tiers=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reason = "RuntimeError: cannot open [/tmp/x] in [bold]build[/bold]"
+    assert records(tmp_path)[0]["reason"] == reason
+    assert reason in proc.stdout
+    rep = subprocess.run([sys.executable, "-m", "harness", "report", str(tmp_path / "ladder.json")], cwd=REPO,
+                         capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert rep.returncode == 0 and reason in rep.stdout
+
+
+def test_a_torn_results_file_is_read_and_resumed(tmp_path):
+    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+    results = tmp_path / "results.jsonl"
+    with open(results, "a") as f:
+        f.write('{"key": "torchscript[]/resnet50/b1')  # a crash mid-write: torn, and no newline
+    proc = ladder(tmp_path, "--tiers", "eager,torchscript", "--batch", "1", "--res", "32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{results}:2: skipped a line" in proc.stderr
+    lines = results.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["tier"] == "torchscript"  # not glued to the torn line
+    assert [r["tier"] for r in records(tmp_path)] == ["eager", "torchscript"]
+
+
+def test_a_failing_reference_fails_only_its_cells(tmp_path):
+    """densenet121 cannot run at resolution 8 (its pooling shrinks the map to nothing): those cells say so, and
+    the resolution-64 cells are measured."""
+    proc = ladder(tmp_path, "--model", "densenet121", "--tiers", "eager,torchscript", "--batch", "1", "--res", "8,64")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by = {(r["tier"], r["res"]): r for r in records(tmp_path)}
+    for tier in ("eager", "torchscript"):
+        assert by[(tier, 8)]["status"] == "error" and "eager reference (batch 1, res 8) failed" in by[(tier, 8)]["reason"]
+        assert by[(tier, 64)]["status"] == "ok"
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_any_work(tmp_path):
+    proc = ladder(tmp_path, "--tiers", "eager", "--batch", "1,100000", "--res", "224")
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("ladder: batch 100000 at res 224 needs about") and "the largest batch that fits is" in line
+    assert not (tmp_path / "results.jsonl").exists() and not list(tmp_path.glob("*.safetensors"))

@@ -16,10 +16,11 @@ from harness.runner import Protocol, contract_argv
 from tiers.base import Cell
 from tiers.libtorch import TIERS
 
+PHASES = ["load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done"]
 RESULT_KEYS = {"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory", "util",
                "rss_peak_bytes"}
 # The contract's options at a size that keeps each run to seconds on a small CPU.
-TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=3, pipelined_iters=2,
+TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=3, precision=1e-9, pipelined_iters=2,
                 e2e_iters=1, util_s=0.01)
 LIBTORCH, TORCHSCRIPT_CPP = TIERS
 
@@ -62,7 +63,7 @@ def run_child(program: list[str], cell: Cell, files: dict[str, Path], weights: P
 def check_contract(proc: subprocess.CompletedProcess, out: Path, files: dict[str, Path]) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     phases = [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")]
-    assert phases == ["load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "done"]
+    assert phases == PHASES
     result = json.loads((out / "result.json").read_text())
     assert set(result) == RESULT_KEYS
     assert len(result["latency"]["samples_ms"]) >= TINY.iters
@@ -100,3 +101,31 @@ def test_clear_errors(programs, files, tier, weights, cuda_graph, message):
     assert proc.returncode != 0
     errors = [line for line in proc.stdout.splitlines() if line.startswith("@@error ")]
     assert len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
+
+
+def test_both_protocol_implementations_mean_the_same(programs, files):
+    """The Python worker (eager) and the C++ driver (libtorch) on one tiny cell under one protocol: the same phases,
+    the same result keys, and the same rules behind the figures (why the latency pass stopped, how many pipelined
+    calls, how many end-to-end samples of each kind)."""
+    import math
+    import sys
+
+    results = {}
+    for tier, program in (("eager", [sys.executable, "-m", "harness.worker"]), ("libtorch", programs["libtorch"])):
+        proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == PHASES
+        results[tier] = json.loads((out / "result.json").read_text())
+    py, cpp = results["eager"], results["libtorch"]
+    assert set(py) == set(cpp) == RESULT_KEYS
+    for key in ("cold", "latency", "host", "pipelined", "e2e", "warmup", "util"):
+        assert set(py[key]) == set(cpp[key]), key
+    assert set(py["memory"]) >= {"allocator_peak_bytes", "allocator_reserved_peak_bytes"} <= set(cpp["memory"])
+    for r in (py, cpp):
+        lat = r["latency"]["samples_ms"]
+        assert r["latency"]["stopped"] == "iters" and len(lat) == TINY.max_iters  # CI never within 1% in 3 calls
+        assert len(r["host"]["samples_us"]) == len(lat)
+        median = sorted(lat)[len(lat) // 2]
+        assert r["pipelined"]["iters"] == max(TINY.pipelined_iters, math.ceil(TINY.pipelined_s * 1e3 / median))
+        assert all(v == [] for v in r["e2e"].values())  # skipped on the CPU by both
+        assert r["warmup"]["iters"] == TINY.warmup_max

@@ -280,6 +280,7 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   }
   Json util = Json::object(); util["iters"] = iters; util["seconds"] = now_s() - t; result["util"] = util;
 
+  phase("after");  // the Python worker's rung facts; a C++ rung reports its facts in build_stats at build
   phase("done");
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
