@@ -34,11 +34,12 @@ def sources_missing() -> str | None:
     return None
 
 
-def build_dir(project: str, key: dict[str, str]) -> Path:
-    """Where cpp/<project> is built for `key` and the current sources."""
+def build_dir(project: str, key: dict[str, str], target: str) -> Path:
+    """Where `target` of cpp/<project> is built for `key` and the current sources (one directory per target, so
+    two targets of a project build side by side)."""
     digest = files_digest(REPO / "cpp" / project, REPO / "cpp" / "common")[:12]
     tag = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:8]
-    return CACHE / "build" / f"{project}-{tag}-{digest}"
+    return CACHE / "build" / f"{project}-{target}-{tag}-{digest}"
 
 
 def cmake_build(project: str, key: dict[str, str], cmake_args: list[str], target: str) -> Path:
@@ -52,7 +53,7 @@ def cmake_build(project: str, key: dict[str, str], cmake_args: list[str], target
     if missing:
         raise Unavailable(missing)
     src = REPO / "cpp" / project
-    build = build_dir(project, key)
+    build = build_dir(project, key, target)
     binary = build / target
     build.mkdir(parents=True, exist_ok=True)
     with open(build / ".lock", "w") as lock:

@@ -256,8 +256,9 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
                          no_wrap=c != "rung", min_width=min(16, max(len(row["rung"]) for row in all_rows))
                          if c == "rung" and all_rows else None)
     for r, row in zip(records, all_rows):
-        if r["status"] == "ok":
-            table.add_row(*[Text(row[c]) for c in cols])
+        if r["status"] == "ok":  # compact: the parity verdict alone (its error is in the wide table and the JSON)
+            table.add_row(*[Text(row[c].split()[0] if c == "parity" and not wide and row[c] else row[c])
+                            for c in cols])
         else:
             table.add_row(*[Text(r["status"].upper() if c == "median ms" else row[c] if c in ("rung", "batch",
                                  "dtype", "layout") else "", style="red") for c in cols])

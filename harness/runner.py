@@ -193,9 +193,9 @@ class RunDir:
         p = self.path / "inputs" / f"b{batch}_r{res}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
-            tmp = p.with_suffix(".tmp")
+            tmp = p.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             model_io.write_input(model_io.make_input(batch, res), tmp)
-            tmp.rename(p)
+            tmp.replace(p)
         return p
 
     def reference(self, batch: int, res: int) -> Path:
@@ -526,7 +526,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
     cache_kept = tier.caches and dir_bytes(cache) > 0  # a warm start needs something in the caches
     env = child_env(PYTHONUNBUFFERED="1", **cache_env(cache, tunings))
     stderr_path = cell_dir(run, cells[0]) / "stderr.txt"
-    state = {"index": 0, "started": time.time(), "errors": {}, "contention": {}}
+    state = {"index": 0, "started": time.time(), "errors": {}, "contention": {}, "began": {0: (time.time(), utc_now())}}
     oom_before = cgroup_oom_kills()
     with open(stderr_path, "w") as err:
         baseline = device_memory_used()
@@ -540,6 +540,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
                 line = line.rstrip("\n")
                 if line.startswith("@@cell "):
                     state["index"], state["started"] = int(line[7:]), time.time()
+                    state["began"].setdefault(state["index"], (time.time(), utc_now()))
                     sampler.cell = state["index"]
                     check.__init__()
                 elif line.startswith("@@phase "):
@@ -579,6 +580,11 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
     for i, cell in enumerate(cells):
         record = base_record(cell)
         files = files_of[i]
+        began = state["began"].get(i)
+        if began:  # when this cell's measurement began (a process over several cells begins them in turn)
+            record["measured_at"] = began[1]
+        ends = [state["began"][j][0] for j in state["began"] if j > i]
+        wall_s = (min(ends) if ends else time.time()) - (began[0] if began else t_start)
         record["isolation"] = ctx.isolation
         record["process_position"] = i  # cells this process measured before this one
         record["nvml"] = sampler.summary(baseline, i, i > 0)
@@ -588,7 +594,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
             record["start"] = "hot" if i else ("warm-start" if cache_kept or built_before else "cold")
             record["cache_bytes"] = dir_bytes(cache) if tier.caches else None
             record["prepared"] = ctx.prepared.get(cell.key, {}).get("facts")
-            on_record(finish_record(ctx, record, cell, raw, time.time() - t_start))
+            on_record(finish_record(ctx, record, cell, raw, wall_s))
             ended += 1
             continue
         if i in state["errors"]:
@@ -739,7 +745,9 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
             argvs.append(contract_argv([], c, files, ctx.protocol, {"build-only": "1", "cache-dir": str(cache),
                                                                     "tunings": str(tunings or "")}))
         listing.write_text(json.dumps(argvs))
-        env = child_env(**cache_env(cache, tunings))
+        # A build that would autotune (a shape missing from the tables) must not time kernels beside other jobs:
+        # in this process it takes the untuned configuration instead, and the measured process tunes it alone.
+        env = child_env(LADDER_NO_AUTOTUNE="1", **cache_env(cache, tunings))
         (proc, beside) = counted(f"warming {tier.name} {cells[0].dtype} caches", lambda: procs.run(
             [sys.executable, "-m", "harness.worker", "--cells", str(listing)], cwd=REPO, env=env,
             capture_output=True, text=True, timeout=ctx.protocol.timeout_s * len(cells)))
@@ -751,7 +759,18 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
                                                  "time_to_first_result_s": sum(cold.values()), **cold,
                                                  "concurrent_jobs": beside}}
 
-    tasks: list[Callable[[], None]] = []
+    configs = {(c.batch, c.res) for cells in groups.values() for c in cells
+               if tiers[c.tier].availability(c.device) is None and tiers[c.tier].supports(c) is None}
+    for batch, res in configs:
+        ctx.run.input(batch, res)  # written once, here, not by the parallel jobs
+
+    def reference(batch: int, res: int) -> None:
+        try:
+            counted(f"eager reference b{batch} r{res}", lambda: ctx.run.reference(batch, res))
+        except ReferenceFailed:
+            pass  # remembered by the run directory and recorded for each of its cells
+
+    tasks: list[Callable[[], None]] = [lambda b=b, r=r: reference(b, r) for b, r in sorted(configs)]
     for name, cells in groups.items():
         tier = tiers[name]
         runnable = [c for c in cells if tier.availability(c.device) is None and tier.supports(c) is None]
@@ -766,11 +785,12 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
             for c in runnable:
                 by_dtype[c.dtype].append(c)
             tasks += [lambda cs=cs: warm(cs) for cs in by_dtype.values()]
-    if not tasks:
-        return builds
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for f in [pool.submit(t) for t in tasks]:
-            f.result()
+            try:
+                f.result()
+            except Exception as e:  # a failed preparation is tried again, and recorded, when its cells run
+                warnings.warn(f"prepare: {type(e).__name__}: {e}", stacklevel=1)
     return builds
 
 

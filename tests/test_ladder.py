@@ -72,7 +72,7 @@ def test_markdown_report(python_rungs):
     md = (python_rungs / "ladder.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| rung | batch | res | dtype | layout | start | status | median ms")
-    assert len(table) == 2 + 4  # header, rule, one row per cell
+    assert len(table) == 1 + 4  # header + one row per cell
     assert any(line.startswith("| compile(default) | 2 | 32 | fp32 | nchw | cold | ok |") for line in table)
 
 
@@ -104,7 +104,8 @@ def test_ctrl_c_keeps_every_finished_cell(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted: 1 of 2 cells recorded" in out
-    assert [r["tier"] for r in records(tmp_path)] == ["eager"]  # the report of what was measured is written
+    # the report of what was measured is written, the cell in flight recorded as interrupted (a rerun retries it)
+    assert [(r["tier"], r["status"]) for r in records(tmp_path)] == [("eager", "ok"), ("test-hangs", "interrupted")]
 
 
 def test_resume_skips_recorded_cells(tmp_path):

@@ -138,7 +138,7 @@ class CudnnTier(ExternalTier):
         return {"cudnn": tc.cudnn_version, "cuda": tc.cuda_version, "torch": torch.__version__, "arch": _cuda_arch()}
 
     def built(self, cell: Cell) -> bool:
-        return self.availability("cuda") is None and (build_dir("cudnn", self._key()) / "ladder_cudnn").exists()
+        return self.availability("cuda") is None and (build_dir("cudnn", self._key(), "ladder_cudnn") / "ladder_cudnn").exists()
 
     def build(self) -> Path:
         """The rung's binary, built once per toolchain and source digest."""

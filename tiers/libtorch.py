@@ -59,7 +59,7 @@ class LibTorch(ExternalTier):
         return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(_cuda_home().resolve())}
 
     def built(self, cell: Cell) -> bool:
-        return _missing() is None and (build_dir("libtorch", self._key()) / self.target).exists()
+        return _missing() is None and (build_dir("libtorch", self._key(), self.target) / self.target).exists()
 
     def command(self, cell: Cell) -> list[str]:
         import torch

@@ -36,6 +36,7 @@ class TritonTier(PythonTier):
     cuda_graph = True
     options = {"autotune": ("on", "off")}
     caches = ("triton",)
+    warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
 
     def availability(self, device: str) -> str | None:

@@ -20,6 +20,9 @@ from pathlib import Path
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Set by the ladder's prepare stage, which compiles kernels beside other jobs: timing configurations there would
+# choose by noise, so a shape missing from the tables takes the untuned configuration instead.
+NO_AUTOTUNE = os.environ.get("LADDER_NO_AUTOTUNE") == "1"
 
 # Wall time spent benchmarking configurations (their JIT compilation included): the rung's autotuning overhead.
 # A build that adds nothing here was served entirely from a table or the disk cache. `table_hits`: launches whose
@@ -82,7 +85,7 @@ def launch(kernel, grid, args, tune: bool, fixed: dict):
         STATS["table_hits"] += key in TABLE
     if config is not None:
         kernel.fn[grid](*args, **config["kwargs"], num_warps=config["num_warps"], num_stages=config["num_stages"])
-    elif tune and not INTERPRET:
+    elif tune and not INTERPRET and not NO_AUTOTUNE:
         kernel[grid](*args)
         best = kernel.best_config
         TUNED[key] = {"kwargs": dict(best.kwargs), "num_warps": best.num_warps, "num_stages": best.num_stages}
