@@ -74,7 +74,7 @@ def interleaved(tier: str, plain_fn, x: torch.Tensor, dtype: str, args) -> dict:
     built = get_tier(tier).build(build_model(args.model).eval(), example, cell)
     ladder_call = timed_forward(built.forward, example, Clock(built.stream or torch.cuda.current_stream()))
     time_forward(plain_fn, x, iters=1, min_time_s=0)  # both warmed up (and compiled) before the first block
-    latency_pass(ladder_call, 50, 0, 50)
+    latency_pass(ladder_call, 50, 0, math.inf, 50, 0.0)  # exactly 50 calls
     blocks: dict[str, list[list[float]]] = {"plain": [], "ladder": []}
     for r in range(math.ceil(args.min_time_s / args.interleave_s / 2) * 2):
         for side in ("plain", "ladder") if r % 2 == 0 else ("ladder", "plain"):
@@ -82,7 +82,7 @@ def interleaved(tier: str, plain_fn, x: torch.Tensor, dtype: str, args) -> dict:
                 blocks[side].append(time_forward(plain_fn, x, iters=1, min_time_s=args.interleave_s, warmup=0))
             else:
                 with collector_off():
-                    blocks[side].append(latency_pass(ladder_call, 1, args.interleave_s, 10**9)[0])
+                    blocks[side].append(latency_pass(ladder_call, 1, args.interleave_s, args.interleave_s, 10**9, 0.0)[0])
     plain, ladder = sum(blocks["plain"], []), sum(blocks["ladder"], [])
     median, ladder_median = statistics.median(plain), statistics.median(ladder)
     # The method's own floor: the plain loop against itself, its odd blocks against its even ones.
