@@ -359,18 +359,18 @@ class Contention:
         self.result: dict[str, Any] | None = None
 
     @staticmethod
-    def snapshot(child: int) -> tuple:
+    def snapshot() -> tuple:
         ours = process_tree(os.getpid())
-        return time.perf_counter(), _busy_ticks(), sum(ours.values()), set(ours), gpu_process_pids(), child
+        return time.perf_counter(), _busy_ticks(), sum(ours.values()), set(ours), gpu_process_pids()
 
-    def begin(self, child: int) -> None:
-        self.start = self.snapshot(child)
+    def begin(self) -> None:
+        self.start = self.snapshot()
 
-    def end(self, child: int) -> None:
+    def end(self) -> None:
         if self.start is None:
             return
-        t1, busy1, ours1, tree1, gpu1, _ = self.snapshot(child)
-        t0, busy0, ours0, tree0, gpu0, _ = self.start
+        t1, busy1, ours1, tree1, gpu1 = self.snapshot()
+        t0, busy0, ours0, tree0, gpu0 = self.start
         wall = max(t1 - t0, 1e-6)
         other_cpus = max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / CLK_TCK / wall)
         ours = tree0 | tree1
@@ -542,14 +542,14 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
                     state["index"], state["started"] = int(line[7:]), time.time()
                     state["began"].setdefault(state["index"], (time.time(), utc_now()))
                     sampler.cell = state["index"]
-                    check.__init__()
+                    check.start = None  # a new cell: its own window
                 elif line.startswith("@@phase "):
                     ph = line[8:]
                     sampler.phase = ph
                     if ph == "warmup":
-                        check.begin(proc.pid)
+                        check.begin()
                     elif ph == "memory":
-                        check.end(proc.pid)
+                        check.end()
                         state["contention"][state["index"]] = check.result
                     ctx.on_phase(cells[min(state["index"], len(cells) - 1)], ph)
                 elif line.startswith("@@error "):
