@@ -191,7 +191,9 @@ def cmd_tiers(args) -> int:
     for name, tier in all_tiers().items():
         cells = []
         for device in ("cuda", "cpu"):
-            reason = "no NVIDIA GPU here (NVML found none)" if device == "cuda" and not gpu else tier.availability(device)
+            reason = tier.availability(device)
+            if device == "cuda" and not gpu:  # the rung's own reason too: what else a GPU machine would need
+                reason = "; ".join(filter(None, ["no NVIDIA GPU here (NVML found none)", reason]))
             cells.append(Text("available", style="green") if reason is None else
                          Text.assemble(("unavailable", "red"), f": {reason}"))
         table.add_row(name, Text(tier.summary), *cells)

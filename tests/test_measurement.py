@@ -81,10 +81,10 @@ def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
     """A speed-up over eager is marked only where eager and the rung come from different runs and one of the two is
     host-bound; the same pair from one run, or two GPU-bound cells of two runs, stay unmarked."""
     cases = [  # (eager run, eager host µs, rung run, rung host µs, marked?)
-        (0, 900.0, 1, 100.0, True),   # eager host-bound, other run
+        (0, 1800.0, 1, 100.0, True),  # eager host-bound, other run
         (0, 100.0, 1, 900.0, True),   # rung host-bound, other run
         (0, 100.0, 1, 100.0, False),  # both GPU-bound, other run
-        (0, 900.0, 0, 100.0, False),  # one run
+        (0, 1800.0, 0, 100.0, False), # one run
     ]
     for eager_run, eager_host, rung_run, rung_host, marked in cases:
         eager = record(host_us=eager_host, run=eager_run, latency_ms=2.0)

@@ -70,7 +70,7 @@ class TritonTier(PythonTier):
             tuning.save_tuned(tuned_file, {"gpu": torch.cuda.get_device_name() if example.is_cuda else "cpu",
                                            "triton": triton_version()})
         stats = {
-            "autotune": "on" if tune else "off",
+            "autotune": "interpreter" if tuning.INTERPRET else ("on" if tune else "off"),  # the interpreter never autotunes
             "tuning_tables": tables,  # tuning tables read: shipped for this GPU model, and the run's own
             "table_hits": tuning.STATS["table_hits"] - before["table_hits"],  # launches configured from a table
             "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
