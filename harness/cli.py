@@ -54,6 +54,15 @@ def _number(low: float, high: float = math.inf, low_open: bool = True):
     return parse
 
 
+def _share(text: str) -> float:
+    """'3%' or 0.03: a share in [0, 1)."""
+    value = _number(0, low_open=False)(text.rstrip("%"))
+    value = value / 100 if text.endswith("%") else value
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be below 100% (e.g. 3% or 0.03)")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -100,15 +109,18 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness", description="Run one network down the abstraction ladder.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    lad = sub.add_parser("ladder", help="measure rungs x configurations, one fresh process per cell")
+    lad = argparse.ArgumentParser(add_help=False)  # what ladder and sweep share
     lad.add_argument("--model", default="resnet50", choices=CLASSIFIERS, metavar="MODEL",
                      help=f"torchvision classifier ({', '.join(CLASSIFIERS)})")
     lad.add_argument("--tiers", type=_list(str, tier_names), default=None,
                      help=f"comma list from {', '.join(tier_names)} (default: all)")
-    lad.add_argument("--batch", type=_list(int), default=None, help="comma list (default: 1,32,256 on GPU; 1 on CPU)")
+    lad.add_argument("--batch", type=_list(int), default=None,
+                     help="comma list (ladder default: 1,32,256 on GPU, 1 on CPU; sweep default: 8 to 1024 in "
+                          "powers of two on GPU, 1 to 16 on CPU, the sizes that fit)")
     lad.add_argument("--res", type=_resolutions, default=None, help="comma list (default: 224 on GPU; 64 on CPU)")
     lad.add_argument("--dtype", type=_list(str, DTYPES), default=None,
-                     help="comma list from fp32,tf32,fp16,bf16 (default: fp32,tf32,bf16 on GPU; fp32 on CPU)")
+                     help="comma list from fp32,tf32,fp16,bf16 (default: fp32,tf32,bf16 on GPU, bf16 in a sweep; "
+                          "fp32 on CPU)")
     lad.add_argument("--layout", choices=("nchw", "nhwc", "both"), default=None,
                      help="activation layout (default: nhwc, channels-last, on GPU: every rung's best practice; "
                           "nchw on CPU)")
@@ -152,8 +164,21 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--json", type=Path, help="write the JSON document here")
     lad.add_argument("--markdown", type=Path, help="write the markdown report here")
     lad.add_argument("--csv", type=Path, help="write the table as CSV here")
+    lad.add_argument("--wide", action="store_true", help="the final table with every column (default: the columns "
+                     "that fit 80 columns)")
 
+    sub.add_parser("ladder", parents=[lad], help="measure rungs x configurations")
+    sub.add_parser("sweep", parents=[lad], help="batch x resolution (x dtype) for chosen rungs: the ladder with "
+                   "sweep defaults, its latency and throughput plotted against batch size")
     sub.add_parser("tiers", help="list every rung: available here or why not")
+
+    cmp = sub.add_parser("compare", help="B against A, cell by cell, with a bootstrap CI of the median's ratio; "
+                         "exit status 1 on any regression")
+    cmp.add_argument("a", type=Path, help="baseline: ladder.json or results.jsonl")
+    cmp.add_argument("b", type=Path, help="candidate: ladder.json or results.jsonl")
+    cmp.add_argument("--threshold", type=_share, default=0.03,
+                     help="smallest change called a regression or an improvement (default 3%%)")
+    cmp.add_argument("--markdown", type=Path, help="write the comparison as markdown here")
 
     mic = sub.add_parser("micro", help="per-layer microbenchmark of a hand-written rung")
     mic.add_argument("--tier", required=True, choices=[t for t, v in all_tiers().items() if hasattr(v, "micro")])
@@ -169,15 +194,20 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", type=Path)
     rep.add_argument("--markdown", type=Path)
     rep.add_argument("--csv", type=Path)
+    rep.add_argument("--wide", action="store_true", help="every column in the terminal table")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return {"ladder": cmd_ladder, "tiers": cmd_tiers, "micro": cmd_micro, "report": cmd_report}[args.command](args)
+    return {"ladder": cmd_ladder, "sweep": cmd_ladder, "tiers": cmd_tiers, "micro": cmd_micro, "report": cmd_report,
+            "compare": cmd_compare}[args.command](args)
 
 
 def cmd_tiers(args) -> int:
+    """A table of rung, cuda, cpu that fits 80 columns, then one line per rung: what it is, and why not where it
+    cannot run (a reason every rung shares, such as no GPU, is said once)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -185,30 +215,40 @@ def cmd_tiers(args) -> int:
     from tiers import all_tiers
 
     gpu = default_device() == "cuda"
-    table = Table(title="Rungs of the ladder")
-    for c in ("rung", "what", "cuda", "cpu"):
-        table.add_column(c, overflow="fold")
+    console = Console()
+    table = Table(title="Rungs of the ladder", box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("rung", "cuda", "cpu", "what"):
+        table.add_column(c, no_wrap=c != "what")
+    reasons = []
     for name, tier in all_tiers().items():
         cells = []
         for device in ("cuda", "cpu"):
             reason = tier.availability(device)
             if device == "cuda" and not gpu:  # the rung's own reason too: what else a GPU machine would need
                 reason = "; ".join(filter(None, ["no NVIDIA GPU here (NVML found none)", reason]))
-            cells.append(Text("available", style="green") if reason is None else
-                         Text.assemble(("unavailable", "red"), f": {reason}"))
-        table.add_row(name, Text(tier.summary), *cells)
-    Console().print(table)
+            cells.append(Text("yes", style="green") if reason is None else Text("no", style="red"))
+            if reason:
+                reasons.append((name, device, reason))
+        table.add_row(name, *cells, Text(tier.summary))
+    console.print(table)
+    console.print("Why not:", markup=False)
+    for name, device, reason in reasons:
+        console.print(f"  {name} on {device}: {reason}", markup=False)
     return 0
+
+
+SWEEP_BATCHES = {"cuda": [8, 16, 32, 64, 128, 256, 512, 1024], "cpu": [1, 2, 4, 8, 16]}
 
 
 def plan(args, device: str) -> list[Cell]:
     from tiers import all_tiers
 
     gpu = device == "cuda"
+    sweep = args.command == "sweep"
     tiers = args.tiers or list(all_tiers())
-    batches = args.batch or ([1, 32, 256] if gpu else [1])
+    batches = args.batch or (SWEEP_BATCHES[device] if sweep else [1, 32, 256] if gpu else [1])
     resolutions = args.res or ([224] if gpu else [64])
-    dtypes = args.dtype or (["fp32", "tf32", "bf16"] if gpu else ["fp32"])
+    dtypes = args.dtype or ((["bf16"] if sweep else ["fp32", "tf32", "bf16"]) if gpu else ["fp32"])
     layouts = {"nchw": [False], "nhwc": [True], "both": [False, True]}[args.layout or ("nhwc" if gpu else "nchw")]
     graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     cells = []
@@ -261,32 +301,42 @@ def check_output_paths(args) -> None:
             raise Refused(f"--{flag} {path}: not writable")
 
 
-def check_fits(model: str, cells: list[Cell], device: str) -> None:
-    """Refuses a configuration whose input and activations cannot fit (on the GPU, or the input in host memory),
-    naming the largest batch that would."""
+def memory_limits(model: str, res: int, device: str) -> list[tuple[str, int, int]]:
+    """(where, capacity bytes, bytes per image) for each memory a cell's batch fills: on the GPU its activations,
+    on the host the input file with its pageable and pinned copies (e2e pass); on the CPU both in host memory."""
     from harness.env import gpu_handle
     from harness.memory import activation_bytes_per_image, host_available_bytes
 
+    try:
+        act = activation_bytes_per_image(model, res)
+    except Exception:  # the model cannot run at this size: its cells record the eager reference's failure
+        return []
     nv, h = gpu_handle()
     device_total = nv.nvmlDeviceGetMemoryInfo(h).total if device == "cuda" and h is not None else None
-    host = host_available_bytes()
+    inp = 3 * res * res * 4
+    return ([("GPU memory", device_total, act)] if device_total else []) + [
+        ("host memory", host_available_bytes(), 3 * inp if device == "cuda" else act + inp)]
+
+
+def fitting(model: str, cells: list[Cell], device: str, drop: bool) -> list[Cell]:
+    """The cells whose batch fits in 80% of each memory it fills. drop=False refuses the run if one does not,
+    naming the largest batch that would; drop=True (a sweep) leaves such cells out, saying which."""
+    kept = []
     for res in sorted({c.res for c in cells}):
-        batch = max(c.batch for c in cells if c.res == res)
-        try:
-            act = activation_bytes_per_image(model, res)
-        except Exception:  # the model cannot run at this size: its cells record the eager reference's failure
-            continue
-        inp = 3 * res * res * 4
-        # On the GPU: activations there; on the host the input file, its pageable and pinned copies (e2e pass).
-        # On the CPU: activations and input both in host memory.
-        limits = ([("GPU memory", device_total, act)] if device_total else []) + [
-            ("host memory", host, 3 * inp if device == "cuda" else act + inp)]
-        for where, capacity, per_image in limits:
-            if capacity and batch * per_image > 0.8 * capacity:
-                fits = int(0.8 * capacity // per_image)
-                raise Refused(f"batch {batch} at res {res} needs about {batch * per_image / 2**30:.1f} GiB of "
-                              f"{where} ({capacity / 2**30:.1f} GiB here); the largest batch that fits is about "
-                              f"{fits}")
+        limits = [(where, capacity, per) for where, capacity, per in memory_limits(model, res, device) if capacity]
+        largest = min((int(0.8 * capacity // per), where, capacity, per) for where, capacity, per in limits) \
+            if limits else None
+        for c in (c for c in cells if c.res == res):
+            if largest is None or c.batch <= largest[0]:
+                kept.append(c)
+                continue
+            fits, where, capacity, per = largest
+            message = (f"batch {c.batch} at res {res} needs about {c.batch * per / 2**30:.1f} GiB of {where} "
+                       f"({capacity / 2**30:.1f} GiB here); the largest batch that fits is about {fits}")
+            if not drop:
+                raise Refused(message)
+            print(f"sweep: left out: {message}", file=sys.stderr)
+    return kept
 
 
 def run_identity(meta: dict) -> dict:
@@ -313,7 +363,8 @@ def cmd_ladder(args) -> int:
     device = args.device or default_device()
     if device == "cuda" and default_device() != "cuda":
         return refuse("ladder: --device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
-    args.out = (args.out or Path("runs") / f"{args.model}-{device}").resolve()
+    args.out = (args.out or Path("runs") / f"{args.model}-{device}{'-sweep' if args.command == 'sweep' else ''}"
+                ).resolve()
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
                         min_time_s=args.min_time, max_time_s=max(args.max_time, args.min_time),
                         precision=args.precision, util_s=args.util_s, e2e_iters=args.e2e_iters,
@@ -323,7 +374,7 @@ def cmd_ladder(args) -> int:
         check_output_paths(args)
         run = RunDir(args.out, args.model, device)
         run.lock()
-        check_fits(args.model, cells, device)
+        cells = fitting(args.model, cells, device, drop=args.command == "sweep")
     except (Refused, RunLocked) as e:
         return refuse(f"ladder: {e}")
 
@@ -416,7 +467,8 @@ def cmd_ladder(args) -> int:
                           {"peak_tflops": meta.get("peak_tflops"), "isolation": meta.get("isolation"),
                            "command": " ".join(["python -m harness", *sys.argv[1:]]), "wall_s": wall,
                            "builds": builds})
-    console.print(report.rich_table(ordered_records, title=f"{args.model} on {device_slug(meta['environment'])}"))
+    console.print(report.rich_table(ordered_records, title=f"{args.model} on {device_slug(meta['environment'])}",
+                                    wide=args.wide))
     for line in report.failure_lines(ordered_records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     for line in report.fastest_lines(ordered_records):
@@ -447,11 +499,44 @@ def cmd_report(args) -> int:
     doc = report.document(records, meta.get("environment", {}), meta.get("protocol", {}),
                           {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"]})
     console = Console()
-    console.print(report.rich_table(records))
+    console.print(report.rich_table(records, wide=args.wide))
     for line in report.failure_lines(records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     report.write(doc, args.json, args.markdown, args.csv)
     return 0
+
+
+def cmd_compare(args) -> int:
+    from rich.console import Console
+
+    from harness import compare, report
+
+    loaded = []
+    for path in (args.a, args.b):
+        try:
+            records, _ = report.load_records([path])
+        except report.BadInput as e:
+            return refuse(f"compare: {e}")
+        if not records:
+            return refuse(f"compare: no records in {path}")
+        loaded.append(records)
+    rows = compare.compare(*loaded, threshold=args.threshold)
+    console = Console()
+    both = [r for r in rows if not r["verdict"].startswith("only in")]
+    console.print(compare.rich_table(both, title=f"B/A: median latency, B = {args.b}, A = {args.a}"))
+    for side in ("A", "B"):
+        alone = sum(r["verdict"] == f"only in {side}" for r in rows)
+        if alone:
+            console.print(f"{alone} cells only in {side} (listed in --markdown)", markup=False)
+    n = compare.regressions(rows)
+    changed = sum(r["verdict"] == "improvement" for r in rows)
+    console.print(f"{n} regression{'s' if n != 1 else ''}, {changed} improvement{'s' if changed != 1 else ''}, "
+                  f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise (threshold "
+                  f"{args.threshold:.1%}; 95% bootstrap CI of the median's ratio)", markup=False)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(compare.markdown(rows, str(args.a), str(args.b), args.threshold))
+    return 1 if n else 0
 
 
 def cmd_micro(args) -> int:

@@ -160,6 +160,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "bound": bound(r) or "",
             "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if ok else "",
             "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
+            "img/J": _fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if ok else "",
             "GPU MiB (NVML)": _fmt(nv / 2**20, ".0f") if nv else "",
             "alloc MiB": _fmt(alloc / 2**20, ".0f") if alloc else "",
             "parity": ("" if par.get("ok") is None else
@@ -187,7 +188,8 @@ def host_cpu_line(host: dict) -> str:
             f"(1 = steady); host-bound cells move with the host.")
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
+    """`plots`: (caption, path relative to the markdown file), embedded after the table."""
     env = doc["environment"]
     gpu = env.get("gpu") or {}
     lines = [f"# Tier ladder: {', '.join(sorted({r['model'] for r in doc['results']}))}", "",
@@ -224,51 +226,97 @@ def markdown(doc: dict) -> str:
               "forward in a fresh process (fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context "
               "included); alloc MiB = torch allocator peak in steady state; parity rel err = max|out-ref|/max|ref| "
               "against eager fp32. Full definitions and raw samples are in the JSON.", ""]
+    for caption, rel in plots:
+        lines += [f"## {caption}", "", f"![{caption}]({rel})", ""]
     return "\n".join(lines)
 
 
+def _get(r: dict, path: str):
+    for part in path.split("."):
+        r = r.get(part) if isinstance(r, dict) else None
+    return r
+
+
+CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, plain words, empty where absent
+    "rung": "label", "tier": "tier", "model": "model", "batch": "batch", "res": "res", "dtype": "dtype",
+    "layout": "layout", "cuda_graph": "cuda_graph", "device": "device", "status": "status", "reason": "reason",
+    "start": "start", "latency_median_ms": "latency_ms.median", "latency_p90_ms": "latency_ms.p90",
+    "latency_p99_ms": "latency_ms.p99", "latency_ci95_low_ms": "latency_ms.ci95_low",
+    "latency_ci95_high_ms": "latency_ms.ci95_high", "latency_cv": "latency_ms.cv", "latency_n": "latency_ms.n",
+    "throughput_img_s": "throughput_img_s", "pipelined_img_s": "pipelined.throughput_img_s",
+    "host_overhead_us": "host_overhead_us.median", "bound": "bound", "e2e_pageable_ms": "e2e_ms.pageable.median",
+    "e2e_pinned_ms": "e2e_ms.pinned.median", "e2e_device_ms": "e2e_ms.device.median",
+    "tflops": "tflops.achieved", "share_of_measured_peak": "tflops.share_of_measured_peak",
+    "load_s": "cold.load_s", "build_s": "cold.build_s", "first_result_s": "cold.first_result_s",
+    "time_to_first_result_s": "cold.time_to_first_result_s", "allocator_peak_bytes": "memory.allocator_peak_bytes",
+    "nvml_process_peak_bytes": "memory.nvml_process_peak_bytes", "rss_peak_bytes": "memory.rss_peak_bytes",
+    "img_per_joule": "utilisation.img_per_joule", "parity_ok": "parity.ok", "parity_rel_err": "parity.rel_err",
+}
+
+
 def to_csv(doc: dict) -> str:
-    table = rows(doc["results"])
+    """Machine-readable: one row per record, numbers unformatted, plus the speed-up over eager and whether it
+    divides two runs' host-bound draws (mixes_host_draws)."""
+    records = doc["results"]
     buf = io.StringIO()
-    if table:
-        w = csv.DictWriter(buf, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    w = csv.writer(buf)
+    w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run"])
+    for r in records:
+        r = {**r, "layout": r.get("layout") or ("nhwc" if r["channels_last"] else "nchw"), "bound": bound(r)}
+        base = eager_baseline(records, r)
+        w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
+                   + [_fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r)])
     return buf.getvalue()
 
 
 COMPACT = ["rung", "batch", "dtype", "layout", "median ms", "img/s", "vs eager", "bound", "parity"]
 
 
+SHORT_STATUS = {"parity-fail": "FAIL", "interrupted": "stopped"}  # fits the compact table's 9-wide column
+
+
 def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = False):
-    """The terminal table: the compact columns, which fit 80 columns (a failure shows its status in red; its
-    reason is one line of `failure_lines`); `wide` shows every column. Every cell is plain text, never rich
-    markup (reasons quote paths in brackets)."""
+    """The terminal table. Compact (default): the COMPACT columns, one space apart, which fit 80 columns; a
+    failure shows its status in red (its reason is a line of `failure_lines`), and rungs that are unavailable
+    here or skip a cell are left to those lines. `wide`: every column and every record. Every cell is plain
+    text, never rich markup (reasons quote paths in brackets)."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    shown = records if wide else [r for r in records if r["status"] not in ("unavailable", "skipped")]
     all_rows = rows(records)
+    by_id = {id(r): row for r, row in zip(records, all_rows)}
     cols = [c for c in (list(all_rows[0]) if wide and all_rows else COMPACT) if c != "status"]
     for c in cols:  # only the rung's name may wrap (at '(' of its options); a number or a word never breaks
         table.add_column(c, justify="left" if c in ("rung", "dtype", "layout", "parity", "bound", "start") else "right",
-                         no_wrap=c != "rung", min_width=min(16, max(len(row["rung"]) for row in all_rows))
-                         if c == "rung" and all_rows else None)
-    for r, row in zip(records, all_rows):
+                         no_wrap=c != "rung")
+    for r in shown:
+        row = by_id[id(r)]
         if r["status"] == "ok":  # compact: the parity verdict alone (its error is in the wide table and the JSON)
             table.add_row(*[Text(row[c].split()[0] if c == "parity" and not wide and row[c] else row[c])
                             for c in cols])
         else:
-            table.add_row(*[Text(r["status"].upper() if c == "median ms" else row[c] if c in ("rung", "batch",
-                                 "dtype", "layout") else "", style="red") for c in cols])
+            status = SHORT_STATUS.get(r["status"], r["status"]) if not wide else r["status"]
+            table.add_row(*[Text(status if c == "median ms" else row[c] if c in ("rung", "batch", "dtype", "layout")
+                                 else "", style="red") for c in cols])
     return table
 
 
 def failure_lines(records: list[dict]) -> list[str]:
-    """One line per failed cell: which, and why."""
-    return [f"{r['label']} b{r['batch']} {r['dtype']} {r.get('layout') or ('nhwc' if r['channels_last'] else 'nchw')}"
-            f": {r['status']}: {' '.join(str(r.get('reason') or '').split())}" for r in records if r["status"] != "ok"]
+    """One line per rung and reason: which cells failed, and why (a rung unavailable here is one line, not one per
+    cell)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["status"] != "ok":
+            groups.setdefault((r["label"], r["status"], " ".join(str(r.get("reason") or "").split())), []).append(r)
+    lines = []
+    for (label, status, reason), rs in groups.items():
+        cells = (f"b{rs[0]['batch']} {rs[0]['dtype']} {rs[0].get('layout') or ('nhwc' if rs[0]['channels_last'] else 'nchw')}"
+                 if len(rs) == 1 else f"{len(rs)} cells")
+        lines.append(f"{label} {cells}: {status}: {reason}")
+    return lines
 
 
 def fastest_lines(records: list[dict]) -> list[str]:
@@ -284,12 +332,22 @@ def fastest_lines(records: list[dict]) -> list[str]:
     return out
 
 
-def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Path | None) -> None:
-    for path, text in ((json_path, lambda: json.dumps(doc, indent=1)), (md_path, lambda: markdown(doc)),
-                       (csv_path, lambda: to_csv(doc))):
+def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Path | None) -> list[Path]:
+    """The files asked for; the markdown report gets its plots in plots/ beside it. Returns the plots written."""
+    from harness.plots import write_plots
+
+    plots: list = []
+
+    def md() -> str:
+        plots.extend(write_plots(doc, md_path.parent / "plots"))
+        return markdown(doc, [(c, str(p.relative_to(md_path.parent))) for c, p in plots])
+
+    texts = ((json_path, lambda: json.dumps(doc, indent=1)), (csv_path, lambda: to_csv(doc)), (md_path, md))
+    for path, text in texts:  # the JSON first: it is the source of truth
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text())
+    return [p for _, p in plots]
 
 
 class BadInput(Exception):

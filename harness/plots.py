@@ -1,0 +1,283 @@
+"""Plots of a ladder document (matplotlib, PNG): each reads on its own, with the model, the device, the dtype and
+what the figure measures in its title, and units on its axes. A plot with nothing to show is not drawn."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on a GPU host
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _layout(r: dict) -> str:
+    return "nhwc" if r["channels_last"] else "nchw"
+
+
+def _where(doc: dict) -> str:
+    env = doc.get("environment") or {}
+    gpu = (env.get("gpu") or {}).get("name")
+    models = ", ".join(sorted({r["model"] for r in doc["results"]}))
+    return f"{models} on {gpu or 'CPU: ' + str(env.get('cpu') or 'unknown')}"
+
+
+def _colours(labels) -> dict[str, tuple]:
+    """One colour per rung, the same in every plot of a document."""
+    plt = _pyplot()
+    cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    return {label: cmap(i % cmap.N) for i, label in enumerate(sorted(labels))}
+
+
+def _panels(plt, keys: list, title: str, width: float = 5.2, height: float = 3.8):
+    import textwrap
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(width * len(keys), height), squeeze=False)
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(13 * width * len(keys)))), fontsize=10)
+    return fig, dict(zip(keys, axes[0]))
+
+
+def _batch_axis(ax, batches) -> None:
+    """Log2 batch axis labelled with the batch sizes measured, as plain numbers."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(batches), [str(b) for b in sorted(batches)])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size (images)")
+
+
+def _save(fig, path: Path) -> Path:
+    """One legend for the whole figure, below the panels (it never hides data), then the file."""
+    handles = {}
+    for ax in fig.axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 5), fontsize=8,
+                   frameon=False)
+        fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // 5), 1, 1))
+    else:
+        fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
+
+
+def _by_panel(ok: list[dict]) -> dict[tuple, list[dict]]:
+    """Records per (dtype, layout, res): one panel each."""
+    panels = defaultdict(list)
+    for r in ok:
+        panels[(r["dtype"], _layout(r), r["res"])].append(r)
+    order = {d: i for i, d in enumerate(("fp32", "tf32", "fp16", "bf16"))}
+    return dict(sorted(panels.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1:])))
+
+
+def _panel_name(key: tuple, keys: list[tuple]) -> str:
+    """The dtype, plus layout and res where the document has more than one."""
+    dtype, layout, res = key
+    return " ".join([dtype] + ([layout] if len({k[1] for k in keys}) > 1 else [])
+                    + ([f"res {res}"] if len({k[2] for k in keys}) > 1 else []))
+
+
+def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
+    """'throughput' (img/s = batch / median latency, synchronous) or 'latency' (median ms with its 95% CI) against
+    batch size: one line per rung, one panel per dtype."""
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    if len({r["batch"] for r in ok}) < 2:
+        return None
+    plt = _pyplot()
+    panels = _by_panel(ok)
+    colours = _colours({r["label"] for r in ok})
+    what = ("throughput, img/s (batch / median latency; one batch at a time)" if metric == "throughput" else
+            "latency per forward, median ms (bars: 95% CI of the median)")
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: {what}")
+    for key, records in panels.items():
+        ax = axes[key]
+        lines = defaultdict(list)
+        for r in records:
+            lines[r["label"]].append(r)
+        for label, rs in sorted(lines.items()):
+            rs.sort(key=lambda r: r["batch"])
+            x = [r["batch"] for r in rs]
+            if metric == "throughput":
+                ax.plot(x, [r["throughput_img_s"] for r in rs], "o-", color=colours[label], label=label)
+            else:
+                med = [r["latency_ms"]["median"] for r in rs]
+                low = [m - r["latency_ms"].get("ci95_low", m) for m, r in zip(med, rs)]
+                high = [r["latency_ms"].get("ci95_high", m) - m for m, r in zip(med, rs)]
+                ax.errorbar(x, med, yerr=[low, high], fmt="o-", color=colours[label], label=label, capsize=2)
+        _batch_axis(ax, {r["batch"] for r in records})
+        ax.set_yscale("log")
+        ax.set_ylabel("img/s" if metric == "throughput" else "ms per forward")
+        ax.set_title(_panel_name(key, list(panels)), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path)
+
+
+def call_costs(r: dict) -> dict[str, float]:
+    """Where one synchronous call's time goes, in ms, in an order that adds up to the pageable end-to-end call:
+    issue on the host (the guard check, where the rung has one, is part of it), then the GPU's work left after the
+    last launch, then the H2D copy of the input from pinned memory, then what pageable memory adds to that copy."""
+    lat = r["latency_ms"]["median"]
+    host = (r.get("host_overhead_us") or {}).get("median", 0) / 1e3 if r["device"] == "cuda" else 0.0
+    guard = min(((r.get("build_stats") or {}).get("guard_check_us") or 0) / 1e3, host)
+    e2e = {k: v["median"] for k, v in (r.get("e2e_ms") or {}).items() if v}
+    costs = {"guard check (host)": guard, "issue on the host": max(host - guard, 0.0),
+             "GPU after the last launch" if r["device"] == "cuda" else "forward (host wall clock)": max(lat - host, 0)}
+    if {"device", "pinned", "pageable"} <= set(e2e):
+        costs["H2D from pinned memory"] = max(e2e["pinned"] - e2e["device"], 0.0)
+        costs["pageable extra over pinned"] = max(e2e["pageable"] - e2e["pinned"], 0.0)
+    return costs
+
+
+def overhead(doc: dict, path: Path) -> Path | None:
+    """Per-call costs at the smallest batch: stacked bars per rung, one panel per dtype."""
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    if not ok:
+        return None
+    batch = min(r["batch"] for r in ok)
+    panels = _by_panel([r for r in ok if r["batch"] == batch])
+    plt = _pyplot()
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: where one call's time goes at batch {batch} "
+                                           "(medians; e2e parts from the end-to-end pass)", width=6.4,
+                        height=0.45 * max(len(v) for v in panels.values()) + 2.2)
+    parts = ["guard check (host)", "issue on the host", "GPU after the last launch", "forward (host wall clock)",
+             "H2D from pinned memory", "pageable extra over pinned"]
+    colours = dict(zip(parts, ["#d62728", "#ff7f0e", "#1f77b4", "#1f77b4", "#2ca02c", "#98df8a"]))
+    for key, records in panels.items():
+        ax = axes[key]
+        records = sorted(records, key=lambda r: r["label"], reverse=True)
+        costs = [call_costs(r) for r in records]
+        left = [0.0] * len(records)
+        for part in parts:
+            widths = [c.get(part, 0.0) for c in costs]
+            if any(widths):
+                ax.barh([r["label"] for r in records], widths, left=left, color=colours[part], label=part)
+                left = [a + b for a, b in zip(left, widths)]
+        ax.set_xlabel("ms per call")
+        ax.set_title(_panel_name(key, list(panels)), fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def first_result(doc: dict, path: Path) -> Path | None:
+    """Time to the first result of each rung's first cell, split into load / build / first call: the start the
+    cell measured (cold, or warm-start from kept caches) and, where the prepare stage had one, its cold start."""
+    firsts = {}
+    for r in doc["results"]:
+        if r["status"] == "ok" and r.get("cold") and r.get("process_position", 0) == 0:
+            firsts.setdefault(r["label"], r)
+    if not firsts:
+        return None
+    bars = []
+    for label, r in sorted(firsts.items(), reverse=True):
+        cell = f"b{r['batch']} {r['dtype']}"
+        bars.append((f"{label} {r.get('start') or 'cold'} ({cell})", r["cold"]))
+        prep = r.get("prepared") or {}
+        if prep.get("start") == "cold":
+            bars.append((f"{label} cold, prepare stage ({cell}, {prep.get('concurrent_jobs', 0)} jobs beside)", prep))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(bars) + 2.2))
+    ax.set_title(f"{_where(doc)}:\ntime to the first result in a fresh process (wall clock)", fontsize=11)
+    left = [0.0] * len(bars)
+    for part, colour, name in (("load_s", "#9467bd", "load weights"), ("build_s", "#ff7f0e", "build"),
+                               ("first_result_s", "#1f77b4", "first call (synchronised)")):
+        widths = [b[1].get(part) or 0.0 for b in bars]
+        ax.barh([b[0] for b in bars], widths, left=left, color=colour, label=name)
+        left = [a + w for a, w in zip(left, widths)]
+    ax.set_xlabel("seconds")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def memory(doc: dict, path: Path) -> Path | None:
+    """Memory per rung at the largest batch: the allocator's steady-state peak and NVML's process peak (GPU), or
+    the peak resident host memory (CPU); one panel per dtype."""
+    ok = [r for r in doc["results"] if r["status"] == "ok" and r.get("memory")]
+    if not ok:
+        return None
+    batch = max(r["batch"] for r in ok)
+    panels = _by_panel([r for r in ok if r["batch"] == batch])
+    series = (("allocator_peak_bytes", "torch allocator peak, steady state"),
+              ("nvml_process_peak_bytes", "NVML process peak (CUDA context included)"),
+              ("rss_peak_bytes", "host RSS peak"))
+    plt = _pyplot()
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: memory per rung at batch {batch}", width=6.4,
+                        height=0.5 * max(len(v) for v in panels.values()) + 2.2)
+    for key, records in panels.items():
+        ax = axes[key]
+        records = sorted(records, key=lambda r: r["label"], reverse=True)
+        on_cpu = records[0]["device"] == "cpu"
+        shown = [(k, name) for k, name in series if any(r["memory"].get(k) for r in records)
+                 and (k == "rss_peak_bytes") == on_cpu]
+        height = 0.8 / max(len(shown), 1)
+        for i, (k, name) in enumerate(shown):
+            ax.barh([j + i * height for j in range(len(records))],
+                    [(r["memory"].get(k) or 0) / MIB for r in records], height=height, label=name)
+        ax.set_yticks([j + height * (len(shown) - 1) / 2 for j in range(len(records))],
+                      [r["label"] for r in records])
+        ax.set_xlabel("MiB")
+        ax.set_title(_panel_name(key, list(panels)), fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def tflops_share(doc: dict, path: Path) -> Path | None:
+    """Achieved TFLOP/s as a share of the measured cuBLAS matmul rate for the dtype, against batch size."""
+    ok = [r for r in doc["results"] if r["status"] == "ok"
+          and (r.get("tflops") or {}).get("share_of_measured_peak") is not None]
+    if not ok:
+        return None
+    panels = _by_panel(ok)
+    colours = _colours({r["label"] for r in ok})
+    peaks = ((doc.get("peak_tflops") or {}).get("measured") or {})
+    plt = _pyplot()
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: achieved TFLOP/s as a share of the measured matmul rate")
+    for key, records in panels.items():
+        ax = axes[key]
+        lines = defaultdict(list)
+        for r in records:
+            lines[r["label"]].append(r)
+        for label, rs in sorted(lines.items()):
+            rs.sort(key=lambda r: r["batch"])
+            ax.plot([r["batch"] for r in rs], [100 * r["tflops"]["share_of_measured_peak"] for r in rs], "o-",
+                    color=colours[label], label=label)
+        _batch_axis(ax, {r["batch"] for r in records})
+        ax.set_ylabel("% of the measured matmul rate")
+        peak = peaks.get(key[0])
+        ax.set_title(_panel_name(key, list(panels)) + (f" (matmul {peak:.0f} TFLOP/s)" if peak else ""), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path)
+
+
+PLOTS = {  # file stem: (caption, drawer)
+    "throughput": ("Throughput against batch size", lambda d, p: against_batch(d, p, "throughput")),
+    "latency": ("Latency against batch size", lambda d, p: against_batch(d, p, "latency")),
+    "overhead": ("Where one call's time goes at the smallest batch", overhead),
+    "first_result": ("Time to the first result", first_result),
+    "memory": ("Memory per rung", memory),
+    "tflops": ("Achieved TFLOP/s as a share of the matmul rate", tflops_share),
+}
+
+
+def write_plots(doc: dict, directory: Path) -> list[tuple[str, Path]]:
+    """Every plot the document has data for, as PNG files in `directory`: [(caption, path)]."""
+    import sys
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, (caption, draw) in PLOTS.items():
+        try:
+            path = draw(doc, directory / f"{stem}.png")
+        except Exception as e:  # a plot must never cost the run its report
+            print(f"plot {stem}: not drawn: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if path:
+            written.append((caption, path))
+    return written

@@ -1,0 +1,110 @@
+"""What a person reads: the terminal at 80 columns, the plots beside ladder.md, the CSV, and compare's verdicts."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, REPO
+from harness import compare
+
+ENV80 = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
+
+
+def harness(*args: str, env=ENV80, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A real CPU sweep over two rungs and two batch sizes, in an 80-column terminal."""
+    out = tmp_path_factory.mktemp("sweep")
+    proc = harness("sweep", "--device", "cpu", "--tiers", "eager,onnxruntime,tensorrt", "--model", "resnet18",
+                   "--batch", "1,2", "--res", "32", "--out", str(out), "--csv", str(out / "ladder.csv"), *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_final_table_fits_80_columns_with_whole_header_words(sweep):
+    _, stdout = sweep
+    assert max(len(line) for line in stdout.splitlines()) <= 80
+    final = stdout[stdout.index("resnet18 on cpu"):]
+    header = next(line for line in final.splitlines() if line.startswith("rung"))
+    assert header.split() == ["rung", "batch", "dtype", "layout", "median", "ms", "img/s", "vs", "eager", "bound",
+                              "parity"]
+    assert "tensorrt 2 cells: unavailable: TensorRT needs an NVIDIA GPU" in final  # one line, not one per cell
+    assert "batch 2 fp32 nchw res 32: fastest" in final
+
+
+def test_plots_are_written_and_linked_from_the_markdown(sweep):
+    out, _ = sweep
+    md = (out / "ladder.md").read_text()
+    for stem in ("throughput", "latency", "overhead", "first_result", "memory"):
+        png = out / "plots" / f"{stem}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
+        assert f"](plots/{stem}.png)" in md
+    assert not (out / "plots" / "tflops.png").exists()  # no matmul peak on the CPU: nothing to draw
+
+
+def test_csv_holds_numbers_and_plain_words(sweep):
+    out, _ = sweep
+    rows = list(csv.DictReader((out / "ladder.csv").open()))
+    assert {r["status"] for r in rows} == {"ok", "unavailable"}
+    for r in rows:
+        if r["status"] == "ok":
+            assert float(r["latency_median_ms"]) > 0 and float(r["throughput_img_s"]) > 0
+            assert int(r["batch"]) in (1, 2) and float(r["speedup_vs_eager"]) > 0
+            assert r["parity_ok"] == "True" and r["speedup_cross_run"] == "False"
+        else:
+            assert r["latency_median_ms"] == "" and "NVIDIA GPU" in r["reason"]
+
+
+def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path):
+    out, _ = sweep
+    a = out / "ladder.json"
+    same = harness("compare", str(a), str(a), "--markdown", str(tmp_path / "same.md"))
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "0 regressions, 0 improvements, 4 within noise" in " ".join(same.stdout.split())
+    doc = json.loads(a.read_text())
+    for r in doc["results"]:
+        if r["status"] == "ok":
+            r["latency_samples_ms"] = [v * 1.3 for v in r["latency_samples_ms"]]
+            r["latency_ms"]["median"] *= 1.3
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(doc))
+    worse = harness("compare", str(a), str(slow), "--threshold", "3%")
+    assert worse.returncode == 1
+    assert "4 regressions" in " ".join(worse.stdout.split())
+    better = harness("compare", str(slow), str(a))
+    assert better.returncode == 0 and "4 improvements" in " ".join(better.stdout.split())
+    assert "| verdict |" in (tmp_path / "same.md").read_text()
+
+
+def test_bootstrap_interval_brackets_one_for_one_distribution_and_excludes_it_for_a_shift():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(10, 0.2, 50), rng.normal(10, 0.2, 50)
+    ratio, low, high = compare.median_ratio_ci(list(a), list(b))
+    assert low < 1 < high and compare.verdict(ratio, low, high, 0.03) == "within noise"
+    ratio, low, high = compare.median_ratio_ci(list(a), list(b * 1.05))
+    assert low > 1 and compare.verdict(ratio, low, high, 0.03) == "regression"
+    assert compare.verdict(ratio, low, high, 0.10) == "within noise"  # real, but under the threshold
+
+
+def test_compare_refuses_a_file_that_is_not_results(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    proc = harness("compare", str(bad), str(bad))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a ladder JSON document" in proc.stderr
+
+
+def test_tiers_fits_80_columns():
+    proc = harness("tiers")
+    assert proc.returncode == 0
+    table = proc.stdout.split("Why not:")[0]
+    assert max(len(line) for line in table.splitlines()) <= 80
+    assert "cudnn" in table and "Why not:" in proc.stdout
