@@ -496,8 +496,9 @@ def cmd_report(args) -> int:
         return refuse(f"report: {e}")
     if not records:
         return refuse(f"report: no records in {', '.join(map(str, args.inputs))}")
+    one_run = {k: meta[k] for k in ("isolation", "command", "wall_s", "builds") if k in meta and len(args.inputs) == 1}
     doc = report.document(records, meta.get("environment", {}), meta.get("protocol", {}),
-                          {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"]})
+                          {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"], **one_run})
     console = Console()
     console.print(report.rich_table(records, wide=args.wide))
     for line in report.failure_lines(records):

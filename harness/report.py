@@ -193,11 +193,16 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     env = doc["environment"]
     gpu = env.get("gpu") or {}
     lines = [f"# Tier ladder: {', '.join(sorted({r['model'] for r in doc['results']}))}", "",
-             f"Generated {doc['generated']} on **{gpu.get('name', 'CPU: ' + str(env.get('cpu')))}**"
+             f"Generated {doc['generated']}" + (f" from a run started {env['started_utc']}" if env.get("started_utc") else "")
+             + f" on **{gpu.get('name', 'CPU: ' + str(env.get('cpu')))}**"
              + (f" (driver {gpu.get('driver')}, CUDA driver {gpu.get('cuda_driver')})" if gpu else "") + ".",
              f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')}), "
              f"torchvision {env.get('torchvision')}, Triton {env.get('triton')}, ONNX Runtime "
              f"{env.get('onnxruntime')}, TensorRT {env.get('tensorrt') or 'not installed'}.", ""]
+    if doc.get("command"):
+        lines += [f"Command: `{doc['command']}`" + (f" ({doc['wall_s']:.0f} s, one process per "
+                                                      f"{doc.get('isolation') or 'rung'})" if doc.get("wall_s") else ""),
+                  ""]
     runs = doc.get("runs") or []
     if len(runs) > 1:
         lines += [f"Merged from {len(runs)} runs (the `run` field of each JSON record says which):"]
