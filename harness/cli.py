@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from harness.model import CLASSIFIERS
-from tiers.base import DTYPES, Cell
+from tiers.base import DTYPES, TASKS, Cell
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -112,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
     lad = argparse.ArgumentParser(add_help=False)  # what ladder and sweep share
     lad.add_argument("--model", default="resnet50", choices=CLASSIFIERS, metavar="MODEL",
                      help=f"torchvision classifier ({', '.join(CLASSIFIERS)})")
+    lad.add_argument("--task", choices=TASKS, default="infer",
+                     help="infer: each timed call is one forward; train: one training step (forward, "
+                          "cross-entropy, backward, SGD with momentum) on the rungs that train")
     lad.add_argument("--tiers", type=_list(str, tier_names), default=None,
                      help=f"comma list from {', '.join(tier_names)} (default: all)")
     lad.add_argument("--batch", type=_list(int), default=None,
@@ -172,6 +175,21 @@ def parser() -> argparse.ArgumentParser:
                    "sweep defaults, its latency and throughput plotted against batch size")
     sub.add_parser("tiers", help="list every rung: available here or why not")
 
+    acc = sub.add_parser("train-to-accuracy", help="train each rung E epochs on real data from the same seed and "
+                         "weights; test accuracy per epoch per rung, and a plot")
+    acc.add_argument("--tiers", type=_list(str, tier_names), default=["eager", "torchscript", "compile"],
+                     help="rungs that train (default: eager,torchscript,compile)")
+    acc.add_argument("--model", default="resnet18", choices=CLASSIFIERS, metavar="MODEL")
+    acc.add_argument("--epochs", type=_positive_int, default=8)
+    acc.add_argument("--batch", type=_positive_int, default=64)
+    acc.add_argument("--res", type=_positive_int, default=32, help="image size the data is resized to")
+    acc.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on GPU, fp32 on CPU")
+    acc.add_argument("--data", type=Path, default=None, help="an ImageFolder tree with train/ and test/ (or val/) "
+                     "(default: scikit-learn's handwritten digits, shipped with it)")
+    acc.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    acc.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
+    acc.add_argument("--out", type=Path, default=None, help="default runs/accuracy-<model>-<device>")
+
     cmp = sub.add_parser("compare", help="B against A, cell by cell, with a bootstrap CI of the median's ratio; "
                          "exit status 1 on any regression")
     cmp.add_argument("a", type=Path, help="baseline: ladder.json or results.jsonl")
@@ -201,7 +219,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     return {"ladder": cmd_ladder, "sweep": cmd_ladder, "tiers": cmd_tiers, "micro": cmd_micro, "report": cmd_report,
-            "compare": cmd_compare}[args.command](args)
+            "compare": cmd_compare, "train-to-accuracy": cmd_accuracy}[args.command](args)
 
 
 def cmd_tiers(args) -> int:
@@ -261,7 +279,8 @@ def plan(args, device: str) -> list[Cell]:
             if graph and not all_tiers()[tier].cuda_graph:
                 continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode
             cells.append(Cell(tier=tier, model=args.model, batch=batch, res=res, dtype=dtype,
-                              channels_last=layout, cuda_graph=graph, device=device, options=opts))
+                              channels_last=layout, cuda_graph=graph, device=device, options=opts,
+                              task=args.task))
     return cells
 
 
@@ -363,8 +382,8 @@ def cmd_ladder(args) -> int:
     device = args.device or default_device()
     if device == "cuda" and default_device() != "cuda":
         return refuse("ladder: --device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
-    args.out = (args.out or Path("runs") / f"{args.model}-{device}{'-sweep' if args.command == 'sweep' else ''}"
-                ).resolve()
+    suffix = ("-sweep" if args.command == "sweep" else "") + ("-train" if args.task == "train" else "")
+    args.out = (args.out or Path("runs") / f"{args.model}-{device}{suffix}").resolve()
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
                         min_time_s=args.min_time, max_time_s=max(args.max_time, args.min_time),
                         precision=args.precision, util_s=args.util_s, e2e_iters=args.e2e_iters,
@@ -467,7 +486,8 @@ def cmd_ladder(args) -> int:
                           {"peak_tflops": meta.get("peak_tflops"), "isolation": meta.get("isolation"),
                            "command": " ".join(["python -m harness", *sys.argv[1:]]), "wall_s": wall,
                            "builds": builds})
-    console.print(report.rich_table(ordered_records, title=f"{args.model} on {device_slug(meta['environment'])}",
+    what = " (training steps)" if args.task == "train" else ""
+    console.print(report.rich_table(ordered_records, title=f"{args.model}{what} on {device_slug(meta['environment'])}",
                                     wide=args.wide))
     for line in report.failure_lines(ordered_records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
@@ -538,6 +558,76 @@ def cmd_compare(args) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(compare.markdown(rows, str(args.a), str(args.b), args.threshold))
     return 1 if n else 0
+
+
+def cmd_accuracy(args) -> int:
+    import torch
+    import torchvision
+    from rich.console import Console
+
+    from harness import accuracy, report
+    from harness.env import environment
+    from harness.plots import accuracy_curves
+    from harness.worker import set_math_mode
+    from tiers import all_tiers
+
+    device = args.device or default_device()
+    if device == "cuda" and default_device() != "cuda":
+        return refuse("train-to-accuracy: --device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    out = (args.out or Path("runs") / f"accuracy-{args.model}-{device}").resolve()
+    try:
+        x_train, y_train, x_test, y_test, data = (accuracy.image_folder(args.data, args.res) if args.data
+                                                  else accuracy.digits(args.res))
+    except (ValueError, OSError) as e:
+        return refuse(f"train-to-accuracy: {e}")
+    if args.batch > len(y_train):
+        return refuse(f"train-to-accuracy: --batch {args.batch} exceeds the {len(y_train)} training images")
+    console = Console()
+    torch.manual_seed(args.seed)
+    initial = torchvision.models.get_model(args.model, weights=None, num_classes=data["classes"])
+    set_math_mode(dtype)
+    results, skipped = [], {}
+    for name in args.tiers:
+        tier = all_tiers()[name]
+        cell = Cell(tier=name, model=args.model, batch=args.batch, res=args.res, dtype=dtype,
+                    channels_last=device == "cuda", device=device, task="train")
+        reason = tier.availability(device) or tier.supports(cell)
+        if reason or tier.kind != "python":
+            skipped[name] = reason or f"{name} trains in its own program, which takes no dataset yet"
+            console.print(f"{name}: skipped: {skipped[name]}", markup=False, style="yellow")
+            continue
+        torch._dynamo.reset()
+        results.append(accuracy.train_rung(
+            tier, initial, (x_train, y_train, x_test, y_test), cell, args.epochs, args.seed,
+            lambda c, e: console.print(f"  {c.label:12s} epoch {e['epoch']:2d}: test accuracy "
+                                       f"{100 * e['test_accuracy']:5.1f}%, train loss {e['train_loss']:.3f}, "
+                                       f"{e['epoch_s']:.1f} s", markup=False)))
+    doc = {"model": args.model, "device": device, "dtype": dtype, "epochs": args.epochs, "batch": args.batch,
+           "res": args.res, "seed": args.seed, "data": data, "environment": environment(device),
+           "recipe": "the step of harness/train.py (SGD, momentum 0.9, weight decay 1e-4, lr 0.1 x batch / 256), "
+                     "full shuffled batches; accuracy by the eager model in eval mode with the rung's weights",
+           "command": " ".join(["python -m harness", *sys.argv[1:]]), "rungs": results, "skipped": skipped}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(doc, indent=1))
+    plot = accuracy_curves(doc, out / "plots" / "accuracy.png") if results else None
+    table = [{"rung": r["rung"], **{f"epoch {c['epoch']}": f"{100 * c['test_accuracy']:.1f}" for c in r["curve"]},
+              "train s": f"{sum(c['epoch_s'] for c in r['curve']):.1f}", "build s": f"{r['build_s']:.1f}"}
+             for r in results]
+    lines = [f"# Train to accuracy: {args.model} on {data['dataset']}", "",
+             f"{data['train_images']} training and {data['test_images']} test images, {data['classes']} classes; "
+             f"{args.epochs} epochs at batch {args.batch}, res {args.res}, {dtype}, on {device}, seed {args.seed}. "
+             f"{doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
+             *report.markdown_table(table), ""]
+    lines += [f"- {name}: skipped: {reason}" for name, reason in skipped.items()]
+    if plot:
+        lines += ["", "![test accuracy per epoch](plots/accuracy.png)", ""]
+    (out / "accuracy.md").write_text("\n".join(lines))
+    for r in results:
+        console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after {args.epochs} "
+                      "epochs", markup=False)
+    console.print(f"JSON: {out / 'accuracy.json'}  markdown: {out / 'accuracy.md'}", markup=False)
+    return 0
 
 
 def cmd_micro(args) -> int:

@@ -89,3 +89,8 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
     from safetensors.torch import load_file
 
     return load_file(str(path))[name]
+
+
+def num_classes(model: torch.nn.Module) -> int:
+    """Outputs of the classifier: the last linear layer's (every model of CLASSIFIERS ends in one)."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1].out_features

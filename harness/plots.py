@@ -53,6 +53,7 @@ def _batch_axis(ax, batches) -> None:
 
 def _save(fig, path: Path) -> Path:
     """One legend for the whole figure, below the panels (it never hides data), then the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     handles = {}
     for ax in fig.axes:
         for h, label in zip(*ax.get_legend_handles_labels()):
@@ -253,6 +254,24 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
         peak = peaks.get(key[0])
         ax.set_title(_panel_name(key, list(panels)) + (f" (matmul {peak:.0f} TFLOP/s)" if peak else ""), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path)
+
+
+def accuracy_curves(doc: dict, path: Path) -> Path:
+    """train-to-accuracy: test accuracy after each epoch, one line per rung."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    data = doc["data"]
+    ax.set_title(f"{doc['model']} trained on {data['dataset']} ({data['train_images']} train / "
+                 f"{data['test_images']} test images), {doc['device']}, {doc['dtype']}: test accuracy per epoch",
+                 fontsize=9, wrap=True)
+    colours = _colours({r["rung"] for r in doc["rungs"]})
+    for r in doc["rungs"]:
+        ax.plot([c["epoch"] for c in r["curve"]], [100 * c["test_accuracy"] for c in r["curve"]], "o-",
+                color=colours[r["rung"]], label=r["rung"])
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy, % (top-1)")
+    ax.grid(True, alpha=0.3)
     return _save(fig, path)
 
 

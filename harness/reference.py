@@ -1,6 +1,7 @@
 """Small child jobs the runner needs besides the cells (each in its own process, like the cells):
 
-- `ref`:  the eager fp32 reference output (TF32 off) that every rung's output is compared against;
+- `ref`:  the eager fp32 reference (TF32 off) that every rung is compared against: the output of one forward, or
+          for `train` the loss of each parity step and the state after them (harness/train.py);
 - `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak'."""
 from __future__ import annotations
 
@@ -12,14 +13,26 @@ import torch
 from harness.model import load_model, read_tensor
 
 
-def reference(model_name: str, weights: str, input_path: str, output: str, device: str) -> None:
+def reference(model_name: str, weights: str, input_path: str, output: str, device: str, task: str = "infer") -> None:
     from safetensors.torch import save_file
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = load_model(model_name, weights).to(device)
+    x = read_tensor(input_path, "input").to(device)
+    if task == "train":
+        from harness import train
+        from harness.model import num_classes
+        from tiers.base import Cell
+
+        cell = Cell(tier="eager", model=model_name, batch=x.shape[0], res=x.shape[-1], device=device, task=task)
+        model.train()
+        step, _ = train.make_step(model, model, cell, num_classes(model))
+        losses = [step(x) for _ in range(train.K_STEPS)]
+        save_file(train.output_tensors(losses, train.state_of(model)), output)
+        return
     with torch.inference_mode():
-        out = model(read_tensor(input_path, "input").to(device))
+        out = model(x)
     save_file({"output": out.float().cpu().contiguous()}, output)
 
 

@@ -61,11 +61,20 @@ DEFINITIONS = {
               "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
               "nvml_process_peak_bytes: NVML's figure for the child process, peak over its untimed phases (NVML is "
               "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
-              "their own memory plan report workspace_bytes / activation_bytes / weights_bytes",
+              "their own memory plan report workspace_bytes / activation_bytes / weights_bytes; training steps "
+              "report weights_bytes, gradient_bytes, optimizer_state_bytes and activations_and_workspace_bytes = "
+              "allocator peak minus those and the input (an estimate: at the peak some gradients are not yet "
+              "allocated)",
     "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
                    "forwards; energy_j = NVML board energy counter over that pass, img_per_joule = images per joule "
                    "of board energy",
-    "tflops": "achieved = FLOPs of one forward (2 per multiply-accumulate in convolutions and matmuls, torch "
+    "task": "'infer': each timed call is one forward; 'train': one training step (forward with BatchNorm in "
+            "training mode, cross-entropy against fixed labels, backward, SGD with momentum 0.9 and weight decay "
+            "1e-4; bf16/fp16 = autocast over fp32 master weights, fp16 with a gradient scaler; harness/train.py). "
+            "A training cell's latency, img/s, host time and memory are per step, its parity compares the loss "
+            "of 3 steps, the updated weights and the running statistics with eager fp32's, and its first result "
+            "is the first step",
+    "tflops": "achieved = FLOPs of one forward (a training step counts as 3 forwards) (2 per multiply-accumulate in convolutions and matmuls, torch "
               "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
               "dense peak for the cell's dtype",
     "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
@@ -104,6 +113,7 @@ def document(records: list[dict], environment: dict, protocol: dict, extra: dict
 def eager_baseline(records: list[dict], r: dict) -> dict | None:
     for e in records:
         if (e["tier"] == "eager" and not e["cuda_graph"] and e["status"] == "ok"
+                and e.get("task", "infer") == r.get("task", "infer")
                 and all(e[k] == r[k] for k in ("model", "batch", "res", "dtype", "channels_last", "device"))):
             return e
     return None

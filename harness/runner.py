@@ -24,6 +24,7 @@ from harness import proc as procs
 from harness import model as model_io
 from harness.env import gpu_handle, source_revision, utc_now
 from harness.flops import flops_per_image
+from harness import train
 from harness.parity import compare
 from harness.stats import summarize
 from tiers import all_tiers
@@ -198,21 +199,24 @@ class RunDir:
             tmp.replace(p)
         return p
 
-    def reference(self, batch: int, res: int) -> Path:
-        """The eager fp32 reference output; raises ReferenceFailed (remembered) if eager cannot compute it."""
-        if (batch, res) in self._failed_refs:
-            raise ReferenceFailed(*self._failed_refs[(batch, res)])
-        p = self.path / "refs" / f"{self.model}_b{batch}_r{res}_{self.device}.safetensors"
+    def reference(self, batch: int, res: int, task: str = "infer") -> Path:
+        """The eager fp32 reference (TF32 off): the output of one forward, or for training the loss of each parity
+        step and the state after them. Raises ReferenceFailed (remembered) if eager cannot compute it."""
+        if (batch, res, task) in self._failed_refs:
+            raise ReferenceFailed(*self._failed_refs[(batch, res, task)])
+        what = "training " if task == "train" else ""
+        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}_{self.device}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
             proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights),
-                              str(self.input(batch, res)), str(p), self.device], cwd=REPO, env=child_env(),
+                              str(self.input(batch, res)), str(p), self.device, task], cwd=REPO, env=child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:])
-                self._failed_refs[(batch, res)] = ("oom" if status == "oom" else "error",
-                                                   f"eager reference (batch {batch}, res {res}) failed: {reason}")
-                raise ReferenceFailed(*self._failed_refs[(batch, res)])
+                self._failed_refs[(batch, res, task)] = (
+                    "oom" if status == "oom" else "error",
+                    f"eager {what}reference (batch {batch}, res {res}) failed: {reason}")
+                raise ReferenceFailed(*self._failed_refs[(batch, res, task)])
         return p
 
     def cache(self, tier: str) -> Path:
@@ -299,7 +303,7 @@ def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protoc
     return program + [
         "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
         "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)),
-        "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device,
+        "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device, "--task", cell.task,
         *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
         *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args(),
         *(a for k, v in (extra or {}).items() for a in (f"--{k}", v))]
@@ -454,7 +458,7 @@ def screen(ctx: Context, cell: Cell) -> dict | None:
     if reason:
         return {**record, "status": "skipped", "reason": reason}
     try:
-        ctx.run.reference(cell.batch, cell.res)
+        ctx.run.reference(cell.batch, cell.res, cell.task)
     except ReferenceFailed as e:
         return {**record, "status": e.status, "reason": e.reason}
     return None
@@ -622,9 +626,14 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
 
 
 def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: float) -> dict:
-    ref = ctx.run.reference(cell.batch, cell.res)
+    ref = ctx.run.reference(cell.batch, cell.res, cell.task)
     files_out = cell_dir(ctx.run, cell) / "output.safetensors"
-    parity = compare(model_io.read_tensor(files_out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)
+    if cell.task == "train":
+        from safetensors.torch import load_file
+
+        parity = train.compare(load_file(files_out), load_file(ref), cell.dtype)
+    else:
+        parity = compare(model_io.read_tensor(files_out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)
     record["wall_s"] = wall_s
     record["parity"] = parity
     record["cold"] = {**raw["cold"], "time_to_first_result_s": sum(raw["cold"].values())}
@@ -663,11 +672,12 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     record["host_overhead_us"] = summarize(raw["host"]["samples_us"])
     record["e2e_ms"] = {k.removesuffix("_ms"): summarize(v) for k, v in raw["e2e"].items()}
     record["warmup"] = raw["warmup"]
-    flops = flops_per_image(cell.model, cell.res) * cell.batch
+    # A training step is counted as 3 forwards (the backward computes gradients of activations and of weights).
+    flops = flops_per_image(cell.model, cell.res) * cell.batch * (3 if cell.task == "train" else 1)
     achieved = flops / (lat["median"] * 1e-3) / 1e12
     peaks = ctx.peak_tflops or {}
     record["tflops"] = {
-        "flops_per_forward": flops,
+        "flops_per_step" if cell.task == "train" else "flops_per_forward": flops,
         "achieved": achieved,
         "measured_peak": (peaks.get("measured") or {}).get(cell.dtype),
         "share_of_measured_peak": achieved / peaks["measured"][cell.dtype] if peaks.get("measured") else None,
@@ -759,18 +769,18 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
                                                  "time_to_first_result_s": sum(cold.values()), **cold,
                                                  "concurrent_jobs": beside}}
 
-    configs = {(c.batch, c.res) for cells in groups.values() for c in cells
+    configs = {(c.batch, c.res, c.task) for cells in groups.values() for c in cells
                if tiers[c.tier].availability(c.device) is None and tiers[c.tier].supports(c) is None}
-    for batch, res in configs:
+    for batch, res, _ in configs:
         ctx.run.input(batch, res)  # written once, here, not by the parallel jobs
 
-    def reference(batch: int, res: int) -> None:
+    def reference(batch: int, res: int, task: str) -> None:
         try:
-            counted(f"eager reference b{batch} r{res}", lambda: ctx.run.reference(batch, res))
+            counted(f"eager {task} reference b{batch} r{res}", lambda: ctx.run.reference(batch, res, task))
         except ReferenceFailed:
             pass  # remembered by the run directory and recorded for each of its cells
 
-    tasks: list[Callable[[], None]] = [lambda b=b, r=r: reference(b, r) for b, r in sorted(configs)]
+    tasks: list[Callable[[], None]] = [lambda b=b, r=r, t=t: reference(b, r, t) for b, r, t in sorted(configs)]
     for name, cells in groups.items():
         tier = tiers[name]
         runnable = [c for c in cells if tier.availability(c.device) is None and tier.supports(c) is None]

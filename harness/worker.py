@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
 def cell_from_args(kv: dict[str, str], options: dict[str, str]) -> Cell:
     return Cell(tier=kv["tier"], model=kv["model"], batch=int(kv["batch"]), res=int(kv["res"]), dtype=kv["dtype"],
                 channels_last=kv["channels-last"] == "1", cuda_graph=kv["cuda-graph"] == "1", device=kv["device"],
-                options=tuple(sorted(options.items())))
+                options=tuple(sorted(options.items())), task=kv.get("task", "infer"))
 
 
 def phase(name: str) -> None:
@@ -57,7 +57,8 @@ def set_math_mode(dtype: str) -> None:
 
 
 def prepare_input(x: torch.Tensor, cell: Cell) -> torch.Tensor:
-    x = x.to(cell.device, torch_dtype(cell.dtype))
+    """The cell's device input: its dtype and layout (training keeps fp32 input: bf16 and fp16 mean autocast)."""
+    x = x.to(cell.device, torch.float32 if cell.task == "train" else torch_dtype(cell.dtype))
     return x.contiguous(memory_format=torch.channels_last) if cell.channels_last else x.contiguous()
 
 
@@ -170,7 +171,10 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     t = time.perf_counter()
     set_math_mode(cell.dtype)
     example = prepare_input(x_host, cell)
-    built = tier.build(model, example, cell)
+    if cell.task == "train":
+        built = tier.build_train(model.train(), example, cell)
+    else:
+        built = tier.build(model, example, cell)
     if cell.cuda_graph:
         built = capture_cuda_graph(built, example)
     result["cold"]["build_s"] = time.perf_counter() - t
@@ -182,7 +186,13 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     result["cold"]["first_result_s"] = time.perf_counter() - t
     from safetensors.torch import save_file
 
-    save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
+    if cell.task == "train":  # the parity steps: the first was the first result, from the run's weights
+        from harness import train
+
+        losses = [out] + [built.forward(example) for _ in range(train.K_STEPS - 1)]
+        save_file(train.output_tensors(losses, built.state()), kv["output"])
+    else:
+        save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
     # Keep no reference to this output: under reduce-overhead (CUDA-graph trees) a later call overwrites it.
     result["output"] = {"shape": list(out.shape), "dtype": out.dtype}
     return tier, built, example
@@ -277,6 +287,10 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
         memory["allocator_peak_bytes"] = torch.cuda.max_memory_allocated()
         memory["allocator_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
     memory.update(built.stats.pop("memory", {}))
+    known = ("weights_bytes", "gradient_bytes", "optimizer_state_bytes")
+    if memory["allocator_peak_bytes"] and all(k in memory for k in known):  # a training step's split
+        memory["activations_and_workspace_bytes"] = (memory["allocator_peak_bytes"] - example.nbytes
+                                                     - sum(memory[k] for k in known))
     result["memory"] = memory
 
     phase("util")
@@ -320,8 +334,8 @@ def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
 def run_one(argv: list[str]) -> bool:
     """Runs one cell's contract; its result file, or an `@@error` line. Returns whether it succeeded."""
     kv, options = parse_args(argv)
-    try:
-        with torch.inference_mode():
+    try:  # a training step needs autograd; a forward runs as the eager reference does, in inference mode
+        with torch.inference_mode(kv.get("task", "infer") == "infer"):
             result = run_cell(kv, options)
     except Exception as e:  # the traceback goes to stderr; the parent records the exception's own words
         traceback.print_exc()

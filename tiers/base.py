@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16")
+TASKS = ("infer", "train")
 
 
 class Unavailable(Exception):
@@ -31,6 +32,7 @@ class Cell:
     cuda_graph: bool = False
     device: str = "cuda"
     options: tuple[tuple[str, str], ...] = ()  # rung-specific, e.g. (("compile-mode", "max-autotune"),)
+    task: str = "infer"  # 'infer': one forward; 'train': one training step (harness/train.py)
 
     def option(self, key: str, default: str | None = None) -> str | None:
         return dict(self.options).get(key, default)
@@ -39,8 +41,8 @@ class Cell:
     def key(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         layout = "nhwc" if self.channels_last else "nchw"
-        return (f"{self.tier}{'+graph' if self.cuda_graph else ''}[{opts}]/{self.model}/b{self.batch}/r{self.res}/"
-                f"{self.dtype}/{layout}/{self.device}")
+        return (f"{'train:' if self.task == 'train' else ''}{self.tier}{'+graph' if self.cuda_graph else ''}[{opts}]/"
+                f"{self.model}/b{self.batch}/r{self.res}/{self.dtype}/{layout}/{self.device}")
 
     @property
     def identity(self) -> str:
@@ -56,7 +58,8 @@ class Cell:
     @classmethod
     def of_record(cls, record: dict[str, Any]) -> Cell:
         fields = ("tier", "model", "batch", "res", "dtype", "channels_last", "cuda_graph", "device")
-        return cls(**{f: record[f] for f in fields}, options=tuple(sorted((record.get("options") or {}).items())))
+        return cls(**{f: record[f] for f in fields}, options=tuple(sorted((record.get("options") or {}).items())),
+                   task=record.get("task", "infer"))
 
     @property
     def label(self) -> str:
@@ -80,6 +83,8 @@ class Built:
     stream_description: str = "torch current stream"
     stats: dict[str, Any] = field(default_factory=dict)  # build facts: graph breaks, export size, ...
     uses_torch_allocator: bool = True  # whether torch.cuda.max_memory_allocated covers its memory
+    # Training only: the model's parameters and buffers by name (fp32, on the CPU), read after the parity steps.
+    state: Callable[[], dict[str, Any]] | None = None
 
 
 class Tier:
@@ -98,6 +103,8 @@ class Tier:
     warm_in_prepare: bool = False
     # Whether one built rung takes another batch size (the 'hot' start: a new shape in the same process).
     batch_change: bool = False
+    # Why the rung cannot run `--task train` (None: it trains; a PythonTier then implements build_train).
+    cannot_train: str | None = "no training path"
 
     def availability(self, device: str) -> str | None:
         """None if the rung can run on `device` ('cuda' or 'cpu'), else the exact reason it cannot."""
@@ -115,6 +122,10 @@ class Tier:
             return f"{cell.dtype} is a GPU tensor-core configuration; on the CPU only fp32 is measured"
         if cell.cuda_graph and cell.device != "cuda":
             return "CUDA graphs need the GPU"
+        if cell.task == "train" and self.cannot_train:
+            return f"{self.name} does not train: {self.cannot_train}"
+        if cell.task == "train" and cell.cuda_graph:
+            return "training steps are not captured in CUDA graphs here"
         return None
 
 
@@ -124,6 +135,12 @@ class PythonTier(Tier):
     def build(self, model: Any, example: Any, cell: Cell) -> Built:
         """`model`: the eager fp32 torchvision model on the CPU with the run's weights, in eval mode.
         `example`: the input on the device in the cell's dtype and layout."""
+        raise NotImplementedError
+
+    def build_train(self, model: Any, example: Any, cell: Cell) -> Built:
+        """`--task train`: `forward(x)` is one training step (harness/train.py) returning the loss, and `state()`
+        the model's parameters and buffers. `model`: the eager fp32 model on the CPU in train mode; `example`: the
+        fp32 input on the device in the cell's layout (bf16 and fp16 mean autocast)."""
         raise NotImplementedError
 
     def hot_start(self, built: Built, example: Any, cell: Cell) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Besides the protocol's figures it reports what the compiler did and what it cost
 graphs and graph breaks (Dynamo's counters), guards of the cache entry that serves the call and the time to
 evaluate the cache entries' guards for one call (what Dynamo does before every call, timed directly on its guard
 managers, 1000 evaluations), and, in the hot start (batch + 1), the recompiles that the new shape triggers.
-Its caches (Inductor's FX graph and AOTAutograd caches, Triton's kernels) live in the run's cache directory."""
+Its caches (Inductor's FX graph and AOTAutograd caches, Triton's kernels) live in the run's cache directory.
+In training the whole step of harness/train.py is compiled: forward, loss, backward (Dynamo hands it to AOTAutograd
+at a graph break) and the optimizer's update."""
 from __future__ import annotations
 
 import inspect
@@ -25,25 +27,42 @@ class Compile(PythonTier):
     warm_in_prepare = True
     batch_change = True
 
+    cannot_train = None
+
     def build(self, model, example, cell):
-        mode = cell.option("compile-mode", "default")
-        if mode not in MODES:
-            raise ValueError(f"compile-mode {mode!r}; valid: {', '.join(MODES)}")
         torch._dynamo.reset()
         placed = place_model(model, cell)
-        compiled = torch.compile(placed, mode=mode)  # compiles lazily: the cost lands in first_result_s
-        return Built(forward=compiled, stats={"compile_mode": mode})
+        compiled = torch.compile(placed, mode=_mode(cell))  # compiles lazily: the cost lands in first_result_s
+        return Built(forward=compiled, stats={"compile_mode": _mode(cell)})
+
+    def build_train(self, model, example, cell):
+        from harness import train
+        from harness.model import num_classes
+
+        torch._dynamo.reset()
+        net = train.place_for_training(model, cell)
+        step, _ = train.make_step(net, net, cell, num_classes(net))
+        return Built(forward=torch.compile(step, mode=_mode(cell)), state=lambda: train.state_of(net),
+                     stats={"compile_mode": _mode(cell), "compiled": "the whole training step",
+                            "memory": train.memory_split(net)})
 
     def after(self, built, example, cell):
         from torch._dynamo.utils import counters
 
-        module = built.forward._orig_mod  # the module torch.compile wrapped
         facts = {
             "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": sorted(counters["graph_break"])[:5],
         }
-        facts.update(guard_cost(module, example))
+        if cell.task == "train":  # the step's frame: its argument and the closure it reads
+            fn = built.forward._torchdynamo_orig_callable
+            f_locals = {"x": example, **dict(zip(fn.__code__.co_freevars,
+                                                 (c.cell_contents for c in fn.__closure__ or ())))}
+            facts.update(guard_cost(fn.__code__, f_locals))
+        else:
+            module = built.forward._orig_mod  # the module torch.compile wrapped
+            arg = list(inspect.signature(type(module).forward).parameters)[1]
+            facts.update(guard_cost(type(module).forward.__code__, {"self": module, arg: example}))
         return facts
 
     def hot_start(self, built, example, cell):
@@ -54,16 +73,21 @@ class Compile(PythonTier):
         return {**hot, "recompiles": counters["stats"]["unique_graphs"] - before}
 
 
-def guard_cost(module: torch.nn.Module, example: torch.Tensor) -> dict:
-    """Guard count of the entry Dynamo picks for this call and the cost of finding it."""
+def _mode(cell) -> str:
+    mode = cell.option("compile-mode", "default")
+    if mode not in MODES:
+        raise ValueError(f"compile-mode {mode!r}; valid: {', '.join(MODES)}")
+    return mode
+
+
+def guard_cost(code, f_locals: dict) -> dict:
+    """Guard count of the entry Dynamo picks for a call of `code` with these frame locals, and the cost of
+    finding it."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError as e:
         return {"guards": None, "guard_check_us": None, "guard_note": f"Dynamo internals not reachable: {e}"}
-    code = type(module).forward.__code__
     entries = _debug_get_cache_entry_list(code)
-    arg = list(inspect.signature(type(module).forward).parameters)[1]
-    f_locals = {"self": module, arg: example}
     for i, entry in enumerate(entries):
         if entry.guard_manager.check(f_locals):
             n = 1000

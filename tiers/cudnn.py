@@ -116,6 +116,7 @@ class CudnnTier(ExternalTier):
     options = {"autotune": None, "workspace-mb": None}
     caches = ("engines",)  # engine choices per convolution (engines.tsv in the run's cache; one shipped per GPU)
     name = "cudnn"
+    cannot_train = 'the hand-written cuDNN network has a forward pass only (no backward yet)'
     summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
     models = ("resnet50",)
     cuda_graph = True

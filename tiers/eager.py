@@ -1,4 +1,5 @@
-"""Rung `eager`: the torchvision model called from Python, under torch.inference_mode (the reference)."""
+"""Rung `eager`: the torchvision model called from Python, under torch.inference_mode (the reference); in
+training, the step of harness/train.py on the module as it is."""
 from tiers.base import Built, PythonTier, place_model
 
 
@@ -8,8 +9,18 @@ class Eager(PythonTier):
     cuda_graph = True
     batch_change = True
 
+    cannot_train = None
+
     def build(self, model, example, cell):
         return Built(forward=place_model(model, cell))
+
+    def build_train(self, model, example, cell):
+        from harness import train
+        from harness.model import num_classes
+
+        net = train.place_for_training(model, cell)
+        step, _ = train.make_step(net, net, cell, num_classes(net))
+        return Built(forward=step, stats={"memory": train.memory_split(net)}, state=lambda: train.state_of(net))
 
 
 TIER = Eager()

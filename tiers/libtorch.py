@@ -45,6 +45,7 @@ def _missing() -> str | None:
 
 class LibTorch(ExternalTier):
     name = "libtorch"
+    cannot_train = 'the C++ training step (torch::optim::SGD) is not written yet'
     summary = "ResNet written with the LibTorch C++ API (torch::nn), weights loaded by name; no Python"
     models = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "resnext50_32x4d")
     cuda_graph = True
@@ -75,6 +76,8 @@ class LibTorch(ExternalTier):
 
 class TorchScriptCpp(LibTorch):
     name = "torchscript-cpp"
+    cannot_train = ("it runs a frozen module (weights are constants); TorchScript trains from Python in the "
+                    "torchscript rung")
     summary = "the torchscript rung's frozen module, loaded with torch::jit::load and run from C++; no Python"
     models = None
     target = "ladder_torchscript_cpp"

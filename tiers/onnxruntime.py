@@ -25,6 +25,7 @@ def ort_element_type(dtype: torch.dtype):
 
 class OnnxRuntime(PythonTier):
     name = "onnxruntime"
+    cannot_train = "ONNX Runtime's training API (onnxruntime-training) is deprecated; this rung runs InferenceSession"
     summary = "ONNX Runtime (CUDA EP with IO binding on GPU; CPU EP on CPU)"
     provider = "CUDAExecutionProvider"
     # How the CUDA EP picks each convolution's cuDNN algorithm: timing them all (ORT's default), cuDNN's heuristic,

@@ -25,6 +25,7 @@ def preload_tensorrt() -> None:
 
 class OrtTensorRT(OnnxRuntime):
     name = "ort-tensorrt"
+    cannot_train = 'TensorRT is an inference engine (no backward pass)'
     options = {**OnnxRuntime.options, "trt-max-batch": None}  # the CUDA EP's option for nodes TensorRT rejects
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"

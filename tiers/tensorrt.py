@@ -165,6 +165,7 @@ def build_plan(trt: Any, logger: Any, onnx_path: Path, cell: Cell, shapes: tuple
 
 class TensorRT(PythonTier):
     name = "tensorrt"
+    cannot_train = 'TensorRT is an inference engine (no backward pass)'
     options = {"trt-max-batch": None}
     summary = "TensorRT engine from the ONNX export (strongly typed), execute_async_v3 on a torch stream"
 

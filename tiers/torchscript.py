@@ -1,4 +1,5 @@
-"""Rung `torchscript`: the model traced, frozen and optimize_for_inference'd, called from Python.
+"""Rung `torchscript`: the model traced, frozen and optimize_for_inference'd, called from Python. In training, the
+model traced in train mode (not frozen: its weights train), stepped through autograd by harness/train.py.
 TorchScript is deprecated (FutureWarning from torch 2.10); the rung stays and reports that status."""
 import torch
 
@@ -11,6 +12,7 @@ class TorchScript(PythonTier):
     summary = "torch.jit.trace + freeze + optimize_for_inference (deprecated since torch 2.10)"
     cuda_graph = True
     batch_change = True
+    cannot_train = None
 
     def build(self, model, example, cell):
         module, facts = export_torchscript(place_model(model, cell), example)
@@ -20,6 +22,28 @@ class TorchScript(PythonTier):
                 return module(x)
 
         return Built(forward=forward, stats=facts)
+
+    def build_train(self, model, example, cell):
+        import time
+        import warnings
+
+        from harness import train
+        from harness.model import num_classes
+
+        net = train.place_for_training(model, cell)
+        t = time.perf_counter()
+        before = {k: v.clone() for k, v in net.named_buffers()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            traced = torch.jit.trace(net, example.clone(), check_trace=False)  # BatchNorm traced in train mode
+        with torch.no_grad():  # the tracing forward updated the running statistics: back to the run's weights
+            for k, v in traced.named_buffers():
+                v.copy_(before[k])
+        deprecation = next((str(w.message) for w in caught if "deprecat" in str(w.message).lower()), None)
+        step, _ = train.make_step(traced, traced, cell, num_classes(net))
+        return Built(forward=step, state=lambda: train.state_of(traced),
+                     stats={"torchscript_trace_s": time.perf_counter() - t, "torchscript_deprecation": deprecation,
+                            "memory": train.memory_split(traced)})
 
 
 TIER = TorchScript()

@@ -31,6 +31,7 @@ def _precision(dtype: str) -> str:
 
 class TritonTier(PythonTier):
     name = "triton"
+    cannot_train = 'the hand-written Triton kernels have a forward pass only (no backward yet)'
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
     cuda_graph = True

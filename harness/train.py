@@ -1,0 +1,141 @@
+"""One training step, the same for every rung that trains (`--task train`), and its parity over steps.
+
+A step: forward with BatchNorm in training mode (batch statistics; running statistics updated), cross-entropy
+against fixed labels, backward, SGD with momentum 0.9 and weight decay 1e-4 at learning rate 0.1 x batch / 256 (the
+linear scaling rule). fp32 and tf32 are strict; bf16 and fp16 mean autocast over fp32 master weights, fp16 with a
+gradient scaler. A rung differs only in what runs the forward (eager, scripted, compiled) or the whole step.
+
+Parity: from the run's weights, K_STEPS steps on the cell's input, each rung against eager fp32 (TF32 off): the
+loss of each step, the updated weights, the running statistics."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+K_STEPS = 3
+MOMENTUM, WEIGHT_DECAY = 0.9, 1e-4
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Per dtype: the largest allowed relative error of each step's loss (|loss - ref| / |ref|), of the updated weights
+# and of the running statistics (per tensor ||x - ref|| / ||ref||, the largest over tensors). Training amplifies
+# rounding: each step's update depends on the last, so differences grow several-fold a step. On the CPU (resnet18,
+# batch 8, res 64) Inductor's fp32 step agrees with eager's loss to 2e-7 at step 1, yet its conv1 weights differ by
+# 9e-3 after 3 steps (eager fp32 itself is 2e-3 from an fp64 run there): docs/notes/training-parity.md. A bug
+# (BatchNorm in eval mode, gradients not zeroed, running statistics not updated, a wrong update rule) moves
+# these by far more.
+TOLERANCES = {
+    "fp32": {"loss": 1e-3, "weights": 2e-2, "running_stats": 1e-2},
+    "tf32": {"loss": 1e-2, "weights": 5e-2, "running_stats": 5e-2},
+    "fp16": {"loss": 5e-2, "weights": 1e-1, "running_stats": 1e-1},
+    "bf16": {"loss": 5e-2, "weights": 1e-1, "running_stats": 1e-1},
+}
+
+
+def learning_rate(batch: int) -> float:
+    return 0.1 * batch / 256
+
+
+def labels(n: int, num_classes: int, device: Any) -> torch.Tensor:
+    """Fixed labels spread over the classes (the same for every rung and run)."""
+    return (torch.arange(n, device=device) * 7919) % num_classes
+
+
+def place_for_training(model: torch.nn.Module, cell: Any) -> torch.nn.Module:
+    """fp32 master weights on the cell's device and layout, in train mode (autocast does the low precision)."""
+    model = model.to(cell.device).train()
+    return model.to(memory_format=torch.channels_last) if cell.channels_last else model
+
+
+def make_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.nn.Module, cell: Any,
+              num_classes: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.optim.Optimizer]:
+    """step(x, y=None) -> loss (detached, not synchronised), and its optimizer; y: labels (default: the fixed ones). `forward` runs the model (eager, scripted or
+    compiled); `params_of` owns the parameters it trains. Labels are sliced from a fixed tensor of batch + 1, so the
+    hot start (batch + 1) takes the same step."""
+    optimizer = torch.optim.SGD(params_of.parameters(), lr=learning_rate(cell.batch), momentum=MOMENTUM,
+                                weight_decay=WEIGHT_DECAY)
+    amp = AMP.get(cell.dtype)
+    scaler = torch.amp.GradScaler(cell.device) if cell.dtype == "fp16" else None
+    targets = labels(cell.batch + 1, num_classes, cell.device)
+
+    def step(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(cell.device, dtype=amp) if amp else contextlib.nullcontext():
+            loss = F.cross_entropy(forward(x), targets[: x.shape[0]] if y is None else y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.detach()
+
+    return step, optimizer
+
+
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and floating-point buffers (running statistics) by name, fp32 on the CPU."""
+    out = {f"param.{k}": v.detach().float().cpu().contiguous() for k, v in model.named_parameters()}
+    out.update({f"buffer.{k}": v.detach().float().cpu().contiguous() for k, v in model.named_buffers()
+                if v.is_floating_point()})
+    return out
+
+
+def memory_split(model: torch.nn.Module) -> dict[str, int]:
+    """What the rung knows of its memory: weights, gradients and optimizer state (momentum), in bytes."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"weights_bytes": weights, "gradient_bytes": weights, "optimizer_state_bytes": weights}
+
+
+def output_tensors(losses: list[torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The cell's output file for a training cell: the loss of each parity step, then the state after them."""
+    return {"loss": torch.stack([loss.float().cpu() for loss in losses]).contiguous(), **state}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (the absolute error where b is all zeros)."""
+    a, b = a.double(), b.double()
+    scale = b.norm().item()
+    err = (a - b).norm().item()
+    return err / scale if scale > 0 else err
+
+
+def compare(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], dtype: str) -> dict:
+    """Parity over steps: each step's loss, the largest relative error over the updated weights and over the running
+    statistics, with the tensor that has it."""
+    tol = TOLERANCES[dtype]
+    if set(out) != set(ref):
+        missing, extra = sorted(set(ref) - set(out)), sorted(set(out) - set(ref))
+        return {"ok": False, "reason": f"state differs from eager's: missing {missing[:3]}, extra {extra[:3]}"}
+    if not all(torch.isfinite(t).all() for t in out.values()):
+        return {"ok": False, "reason": "loss or state has NaN or Inf"}
+    loss_err = [abs(a - b) / abs(b) for a, b in zip(out["loss"].tolist(), ref["loss"].tolist())]
+    worst = {}
+    for kind, prefix in (("weights", "param."), ("running_stats", "buffer.")):
+        errs = {k: _rel(out[k], ref[k]) for k in ref if k.startswith(prefix)}
+        name = max(errs, key=errs.get) if errs else None
+        worst[kind] = (errs[name] if name else 0.0, name)
+    failures = []
+    if max(loss_err) > tol["loss"]:
+        failures.append(f"loss rel err {max(loss_err):.2e} > {tol['loss']:.0e} (step {loss_err.index(max(loss_err)) + 1})")
+    for kind, (err, name) in worst.items():
+        if err > tol[kind]:
+            failures.append(f"{kind} rel err {err:.2e} > {tol[kind]:.0e} ({name})")
+    return {
+        "ok": not failures,
+        "reason": "; ".join(failures) or None,
+        "steps": len(loss_err),
+        "loss": out["loss"].tolist(),
+        "loss_ref": ref["loss"].tolist(),
+        "loss_rel_err": loss_err,
+        "rel_err": max([max(loss_err)] + [e for e, _ in worst.values()]),
+        "weights_rel_err": worst["weights"][0],
+        "weights_worst": worst["weights"][1],
+        "running_stats_rel_err": worst["running_stats"][0],
+        "running_stats_worst": worst["running_stats"][1],
+        "tolerance": tol,
+        "reference": f"eager fp32 (TF32 off), same weights, input and labels, {K_STEPS} steps",
+    }

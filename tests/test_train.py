@@ -1,0 +1,111 @@
+"""Training down the ladder: the step, its parity over steps (and the bugs it catches), the ladder's training
+cells, and train-to-accuracy on real data. All on the CPU, with real rungs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, ladder, records
+from harness import train
+from harness.model import build_model, num_classes
+from tiers.base import Cell
+
+CELL = Cell(tier="eager", model="resnet18", batch=8, res=64, device="cpu", task="train")
+
+
+def run_steps(step_of, x):
+    """K parity steps of a step built by `step_of(net)` from the seeded weights: the output file's tensors."""
+    net = build_model("resnet18").train()
+    step = step_of(net)
+    losses = [step(x) for _ in range(train.K_STEPS)]
+    return train.output_tensors(losses, train.state_of(net))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    x = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    return x, run_steps(lambda net: train.make_step(net, net, CELL, num_classes(net))[0], x)
+
+
+def test_the_same_step_passes_parity(reference):
+    x, ref = reference
+    verdict = train.compare(run_steps(lambda net: train.make_step(net, net, CELL, 1000)[0], x), ref, "fp32")
+    assert verdict["ok"] and verdict["rel_err"] == 0.0 and verdict["steps"] == 3
+
+
+def buggy_step(net, bug):
+    """The step of harness/train.py with one classic bug."""
+    opt = torch.optim.SGD(net.parameters(), lr=train.learning_rate(8), momentum=train.MOMENTUM,
+                          weight_decay=train.WEIGHT_DECAY)
+    y = train.labels(8, 1000, "cpu")
+    if bug == "bn-eval":
+        net.eval()
+    if bug == "stats-frozen":
+        for m in net.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.momentum = 0.0
+
+    def step(x):
+        if bug != "no-zero-grad":
+            opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("bug,fails_on", [("bn-eval", "loss"), ("no-zero-grad", "weights"),
+                                          ("stats-frozen", "running_stats")])
+def test_parity_catches_the_classic_training_bugs(reference, bug, fails_on):
+    x, ref = reference
+    verdict = train.compare(run_steps(lambda net: buggy_step(net, bug), x), ref, "fp32")
+    assert not verdict["ok"], verdict
+    assert fails_on in verdict["reason"], verdict["reason"]
+
+
+def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_not(tmp_path):
+    proc = ladder(tmp_path, "--task", "train", "--tiers", "eager,torchscript,compile,onnxruntime,libtorch,cudnn",
+                  "--model", "resnet18", "--batch", "8", "--res", "64")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = {r["tier"]: r for r in records(tmp_path)}
+    for name in ("eager", "torchscript", "compile"):
+        r = recs[name]
+        assert r["status"] == "ok" and r["task"] == "train" and r["key"].startswith("train:"), (name, r["reason"])
+        assert r["parity"]["ok"] and r["parity"]["steps"] == 3 and len(r["parity"]["loss"]) == 3
+        assert r["throughput_img_s"] > 0 and r["host_overhead_us"]["median"] > 0
+        mem = r["memory"]
+        assert mem["weights_bytes"] == mem["gradient_bytes"] == mem["optimizer_state_bytes"] > 40e6  # 11.7M fp32
+        assert r["tflops"]["flops_per_step"] > 0
+    assert recs["compile"]["build_stats"]["compiled"] == "the whole training step"
+    assert recs["onnxruntime"]["status"] == "skipped" and "training API" in recs["onnxruntime"]["reason"]
+    assert recs["libtorch"]["status"] == "skipped" and "does not train" in recs["libtorch"]["reason"]
+    assert recs["cudnn"]["status"] == "unavailable"
+    assert "(training steps)" in proc.stdout
+
+
+def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "train-to-accuracy", "--device", "cpu", "--epochs", "6",
+                           "--tiers", "eager,torchscript,compile,onnxruntime", "--out", str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "accuracy.json").read_text())
+    assert doc["data"]["train_images"] + doc["data"]["test_images"] == 1797
+    assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "compile"}
+    for r in doc["rungs"]:
+        assert len(r["curve"]) == 6 and r["final_test_accuracy"] >= 0.9, r
+    assert "training API" in doc["skipped"]["onnxruntime"]
+    assert (tmp_path / "plots" / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    assert "](plots/accuracy.png)" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_accuracy_refuses_a_data_dir_without_splits(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "train-to-accuracy", "--device", "cpu", "--data",
+                           str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "expected train/ and test/" in proc.stderr and proc.stderr.count("\n") == 1
