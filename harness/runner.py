@@ -306,6 +306,7 @@ def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protoc
         "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device, "--task", cell.task,
         *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
         *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args(),
+        *(("--parity-steps", str(train.K_STEPS)) if cell.task == "train" else ()),
         *(a for k, v in (extra or {}).items() for a in (f"--{k}", v))]
 
 

@@ -70,11 +70,12 @@ def test_parity_catches_the_classic_training_bugs(reference, bug, fails_on):
 
 
 def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_not(tmp_path):
-    proc = ladder(tmp_path, "--task", "train", "--tiers", "eager,torchscript,compile,onnxruntime,libtorch,cudnn",
+    proc = ladder(tmp_path, "--task", "train", "--tiers",
+                  "eager,torchscript,compile,libtorch,onnxruntime,torchscript-cpp,cudnn",
                   "--model", "resnet18", "--batch", "8", "--res", "64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = {r["tier"]: r for r in records(tmp_path)}
-    for name in ("eager", "torchscript", "compile"):
+    for name in ("eager", "torchscript", "compile", "libtorch"):  # libtorch: C++ torch::nn + torch::optim::SGD
         r = recs[name]
         assert r["status"] == "ok" and r["task"] == "train" and r["key"].startswith("train:"), (name, r["reason"])
         assert r["parity"]["ok"] and r["parity"]["steps"] == 3 and len(r["parity"]["loss"]) == 3
@@ -84,7 +85,8 @@ def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_n
         assert r["tflops"]["flops_per_step"] > 0
     assert recs["compile"]["build_stats"]["compiled"] == "the whole training step"
     assert recs["onnxruntime"]["status"] == "skipped" and "training API" in recs["onnxruntime"]["reason"]
-    assert recs["libtorch"]["status"] == "skipped" and "does not train" in recs["libtorch"]["reason"]
+    assert recs["torchscript-cpp"]["status"] == "skipped" and "frozen" in recs["torchscript-cpp"]["reason"]
+    assert recs["eager"]["parity"]["rel_err"] == 0 and recs["libtorch"]["parity"]["loss"] == recs["eager"]["parity"]["loss"]
     assert recs["cudnn"]["status"] == "unavailable"
     assert "(training steps)" in proc.stdout
 

@@ -45,7 +45,7 @@ def _missing() -> str | None:
 
 class LibTorch(ExternalTier):
     name = "libtorch"
-    cannot_train = 'the C++ training step (torch::optim::SGD) is not written yet'
+    cannot_train = None
     summary = "ResNet written with the LibTorch C++ API (torch::nn), weights loaded by name; no Python"
     models = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "resnext50_32x4d")
     cuda_graph = True
@@ -53,6 +53,12 @@ class LibTorch(ExternalTier):
 
     def availability(self, device: str) -> str | None:
         return _missing()
+
+    def supports(self, cell: Cell) -> str | None:
+        reason = super().supports(cell)
+        if reason is None and cell.task == "train" and cell.dtype == "fp16":
+            return "fp16 training needs a gradient scaler, which LibTorch's C++ API lacks (bf16 trains)"
+        return reason
 
     def _key(self) -> dict[str, str]:
         import torch

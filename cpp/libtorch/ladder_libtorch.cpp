@@ -1,6 +1,11 @@
 // The `libtorch` rung: torchvision's ResNet family written natively with torch::nn, no Python in the process.
 // Module and attribute names follow torchvision exactly, so the contract's weights file (a torchvision
 // state_dict) loads by name: `layer1.0.downsample.1.running_var` is the same path here as there.
+// With --task train each call is the training step of harness/train.py, in C++: BatchNorm in training mode,
+// cross-entropy against the same fixed labels, backward, torch::optim::SGD (momentum 0.9, weight decay 1e-4,
+// lr 0.1 x batch / 256); bf16 means autocast over fp32 master weights.
+#include <ATen/autocast_mode.h>
+
 #include "torch_rung.h"
 
 namespace {
@@ -126,12 +131,70 @@ void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, cons
                            some(unexpected) + ", wrong shape " + some(mismatched));
 }
 
+// The training step of harness/train.py (make_step) on `net`, which is on the device in fp32, in train mode.
+Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch) {
+  const double lr = 0.1 * static_cast<double>(batch) / 256;
+  auto optimizer = std::make_shared<torch::optim::SGD>(
+      net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
+  const torch::Tensor labels = (torch::arange(batch, torch::TensorOptions(cfg.device).dtype(torch::kLong)) * 7919) %
+                               net->fc->options.out_features();
+  const std::string dtype = a.get("dtype");
+  if (dtype == "fp16") throw std::runtime_error("fp16 training needs a gradient scaler, which LibTorch's C++ API lacks");
+  const bool amp = dtype == "bf16";
+  const c10::DeviceType device_type = cfg.device.type();
+  return [net, optimizer, labels, amp, device_type](const torch::Tensor& x) mutable {
+    optimizer->zero_grad(/*set_to_none=*/true);
+    torch::Tensor loss;
+    {
+      // autocast as Python's torch.autocast(device, bfloat16): on for the forward and the loss, then off and its
+      // cache of cast weights cleared (the weights change with every step)
+      at::autocast::set_autocast_enabled(device_type, amp);
+      if (amp) at::autocast::set_autocast_dtype(device_type, at::kBFloat16);
+      loss = torch::nn::functional::cross_entropy(net->forward(x), labels.slice(0, 0, x.size(0)));
+      at::autocast::set_autocast_enabled(device_type, false);
+      at::autocast::clear_cache();
+    }
+    loss.backward();
+    optimizer->step();
+    return loss.detach();
+  };
+}
+
+// Parameters and floating-point buffers by name, as harness/train.py state_of.
+ladder::TensorMap state_of(torch::nn::Module& net) {
+  ladder::TensorMap out;
+  for (auto& p : net.named_parameters()) out["param." + p.key()] = TorchRung::host_fp32(p.value());
+  for (auto& b : net.named_buffers())
+    if (b.value().is_floating_point()) out["buffer." + b.key()] = TorchRung::host_fp32(b.value());
+  return out;
+}
+
 std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap& weights, const HostTensor& input,
                                     Json& stats) {
   const std::string model = a.get("model");
   auto spec = kModels.find(model);
   if (spec == kModels.end()) throw std::runtime_error("the libtorch rung implements only the ResNet family, not " + model);
-  return std::make_unique<TorchRung>(a, input, stats, /*inference_mode=*/true, [&](const Config& cfg) -> Net {
+  if (a.get("task", "infer") == "train") {
+    ResNet net(spec->second);
+    long long weights_bytes = 0;
+    auto rung = std::make_unique<TorchRung>(a, input, stats, Mode::kTrain, [&](const Config& cfg) -> Net {
+      net->train();
+      {
+        torch::NoGradGuard no_grad;  // copying into parameters that require grad
+        load_weights(*net, weights, model);
+      }
+      net->to(cfg.device);  // fp32 master weights (to(device, dtype) would make the step counters float too)
+      for (auto& p : net->parameters()) {
+        if (p.dim() == 4) p.set_data(p.contiguous(cfg.memory_format));
+        weights_bytes += p.numel() * 4;
+      }
+      stats["optimizer"] = "torch::optim::SGD (momentum 0.9, weight decay 1e-4)";
+      return training_step(net, cfg, a, a.i("batch"));
+    }, [net]() mutable { return state_of(*net); });
+    rung->weights_bytes = weights_bytes;
+    return rung;
+  }
+  return std::make_unique<TorchRung>(a, input, stats, Mode::kInference, [&](const Config& cfg) -> Net {
     ResNet net(spec->second);
     net->eval();
     load_weights(*net, weights, model);

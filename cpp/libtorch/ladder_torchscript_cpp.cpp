@@ -17,7 +17,7 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap&, con
     throw std::runtime_error("torchscript-cpp needs --option ts-path=PATH (written by tiers/torchscript_export.py)");
   // The export ran in the parent, outside this child's build phase: recorded here so that it is not lost.
   if (a.options.count("export-s")) stats["parent_export_s"] = std::stod(a.option("export-s", ""));
-  return std::make_unique<TorchRung>(a, input, stats, /*inference_mode=*/false, [&](const Config& cfg) -> Net {
+  return std::make_unique<TorchRung>(a, input, stats, Mode::kNoGrad, [&](const Config& cfg) -> Net {
     torch::jit::Module module = torch::jit::load(path, cfg.device);
     module = torch::jit::optimize_for_inference(module);
     return [module](const torch::Tensor& x) mutable { return module.forward({x}).toTensor(); };

@@ -24,8 +24,13 @@ struct Config {
   at::MemoryFormat memory_format = at::MemoryFormat::Contiguous;
 };
 
-// The network: device input (cell dtype and layout) -> logits.
+// The network: device input (cell dtype and layout) -> logits; for a training rung, one training step: input ->
+// loss.
 using Net = std::function<torch::Tensor(const torch::Tensor&)>;
+
+// The autograd mode every call into torch runs in: InferenceMode (as the Python eager rung), no-grad (TorchScript's
+// frozen graphs reject inference tensors, so the TorchScript rungs run under no-grad only), or grad (training).
+enum class Mode { kInference, kNoGrad, kTrain };
 
 inline torch::Dtype parse_dtype(const std::string& d) {
   if (d == "fp32" || d == "tf32") return torch::kFloat;
@@ -37,16 +42,17 @@ inline torch::Dtype parse_dtype(const std::string& d) {
 class TorchRung : public ladder::Rung {
  public:
   // `make_net` builds the network for `Config`; it runs as every call into torch here does (see `guarded`).
-  // `inference_mode`: run under c10::InferenceMode as the Python eager rung does (TorchScript's frozen graphs
-  // reject inference tensors, so the TorchScript rungs, Python and C++, run under no-grad only).
-  TorchRung(const Args& a, const HostTensor& input, Json& stats, bool inference_mode,
-            const std::function<Net(const Config&)>& make_net)
-      : inference_mode_(inference_mode) {
+  // In training (kTrain) the input stays fp32 (bf16 means autocast) and `state` gives the parameters and
+  // floating-point buffers by name, for parity after the first `parity_steps` steps.
+  TorchRung(const Args& a, const HostTensor& input, Json& stats, Mode mode,
+            const std::function<Net(const Config&)>& make_net,
+            std::function<ladder::TensorMap()> state = nullptr)
+      : mode_(mode), parity_steps_(std::stoi(a.get("parity-steps", "1"))), state_(std::move(state)) {
     Config cfg = guarded([&] { return configure(a, stats); });  // creates the stream the next call runs on
     guarded([&] {
       net_ = make_net(cfg);
       input_ = torch::from_blob(const_cast<float*>(input.data.data()), input.shape, torch::kFloat)
-                   .to(cfg.device, cfg.dtype)
+                   .to(cfg.device, mode == Mode::kTrain ? torch::kFloat : cfg.dtype)
                    .contiguous(cfg.memory_format);
       if (a.flag("cuda-graph")) capture();
     });
@@ -58,7 +64,26 @@ class TorchRung : public ladder::Rung {
         graph_->replay();  // on the current stream: the rung's, through the guard
       else
         output_ = net_(input_);
+      if (state_ && losses_.size() < static_cast<size_t>(parity_steps_)) losses_.push_back(output_);
     });
+  }
+
+  ladder::TensorMap result_tensors() override {
+    if (!state_) return ladder::Rung::result_tensors();
+    return guarded([&] {
+      ladder::TensorMap out = state_();
+      out["loss"] = host_fp32(torch::stack(losses_));
+      return out;
+    });
+  }
+
+  // A tensor as the contract's fp32 host copy (waits for the rung's stream).
+  static HostTensor host_fp32(const torch::Tensor& t) {
+    torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat).contiguous();
+    HostTensor h;
+    h.shape = c.sizes().vec();
+    h.data.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+    return h;
   }
 
   cudaStream_t stream() const override { return stream_ ? stream_->stream() : nullptr; }
@@ -72,25 +97,27 @@ class TorchRung : public ladder::Rung {
   size_t output_bytes() const override { return output_.nbytes(); }
 
   HostTensor output_fp32() override {
-    return guarded([&] {
-      torch::Tensor out = output_.to(torch::kCPU, torch::kFloat).contiguous();  // waits for the rung's stream
-      HostTensor h;
-      h.shape = out.sizes().vec();
-      h.data.assign(out.data_ptr<float>(), out.data_ptr<float>() + out.numel());
-      return h;
-    });
+    return guarded([&] { return host_fp32(output_); });
   }
 
   void reset_memory_peak() override {
     if (stream_) guarded([&] { c10::cuda::CUDACachingAllocator::resetPeakStats(stream_->device_index()); });
   }
   void report_memory(Json& memory) override {
+    // As harness/worker.py: what a training rung knows of its memory, and the rest of the allocator's peak.
+    if (mode_ == Mode::kTrain && weights_bytes > 0)
+      memory["weights_bytes"] = memory["gradient_bytes"] = memory["optimizer_state_bytes"] = weights_bytes;
     if (!stream_) return;  // on the CPU the allocator figures stay null
     auto s = guarded([&] { return c10::cuda::CUDACachingAllocator::getDeviceStats(stream_->device_index()); });
     // Index 0 is StatType::AGGREGATE (all pools); the enum's namespace differs between torch versions.
-    memory["allocator_peak_bytes"] = static_cast<long long>(s.allocated_bytes[0].peak);
+    const long long peak = static_cast<long long>(s.allocated_bytes[0].peak);
+    memory["allocator_peak_bytes"] = peak;
     memory["allocator_reserved_peak_bytes"] = static_cast<long long>(s.reserved_bytes[0].peak);
+    if (mode_ == Mode::kTrain && weights_bytes > 0)
+      memory["activations_and_workspace_bytes"] = peak - static_cast<long long>(input_.nbytes()) - 3 * weights_bytes;
   }
+
+  long long weights_bytes = 0;  // training: fp32 master weights (gradients and momentum are the same size)
 
  private:
   // Runs `f` as every call into torch here must run: on the rung's stream (once it exists), in the rung's autograd
@@ -101,8 +128,9 @@ class TorchRung : public ladder::Rung {
     try {
       std::optional<c10::cuda::CUDAStreamGuard> on_stream;
       if (stream_) on_stream.emplace(*stream_);
-      c10::InferenceMode inference(inference_mode_);
-      torch::NoGradGuard no_grad;  // InferenceMode(false) turns grad mode on
+      c10::InferenceMode inference(mode_ == Mode::kInference);
+      std::optional<torch::NoGradGuard> no_grad;  // InferenceMode(false) turns grad mode on
+      if (mode_ != Mode::kTrain) no_grad.emplace();
       return f();
     } catch (const c10::Error& e) {
       throw std::runtime_error(e.what_without_backtrace());
@@ -142,7 +170,10 @@ class TorchRung : public ladder::Rung {
     LADDER_CUDA(cudaStreamSynchronize(stream_->stream()));
   }
 
-  const bool inference_mode_;
+  const Mode mode_;
+  const int parity_steps_;
+  std::function<ladder::TensorMap()> state_;  // training only
+  std::vector<torch::Tensor> losses_;          // training: the losses of the parity steps
   std::optional<c10::cuda::CUDAStream> stream_;  // none on the CPU
   Net net_;
   torch::Tensor input_, output_;

@@ -81,6 +81,9 @@ struct Rung {
   virtual void* device_output() = 0;
   virtual size_t output_bytes() const = 0;
   virtual HostTensor output_fp32() = 0;          // logits of the last forward, synchronised, as fp32
+  // The output file's tensors: the logits of the first forward or, for a training step (--task train), the loss of
+  // each of the --parity-steps first steps and the state after them, named as harness/train.py output_tensors.
+  virtual TensorMap result_tensors() { return {{"output", output_fp32()}}; }
   virtual void reset_memory_peak() {}
   virtual void report_memory(Json& memory) { (void)memory; }  // allocator peaks, workspace, activations...
 };
@@ -167,7 +170,9 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   rung->forward();
   synchronize(a, *rung);
   cold["first_result_s"] = now_s() - t;
-  write_safetensors(a.get("output"), {{"output", rung->output_fp32()}});
+  // Training: the parity steps go on from the first (harness/worker.py build does the same).
+  for (int i = 1; i < std::stoi(a.get("parity-steps", "1")); ++i) rung->forward();
+  write_safetensors(a.get("output"), rung->result_tensors());
   result["cold"] = cold;
   result["build_stats"] = build_stats;
   result["stream"] = rung->stream_description();
