@@ -31,7 +31,7 @@ DEFINITIONS = {
              "times of that start; prepared holds the prepare stage's start of the same cell where it had one "
              "(a build-only process, its first cell cold and the next hot, beside concurrent_jobs other jobs)",
     "hot_start": "first call at batch + 1 in the process of the rung's first measured cell (a new shape: the "
-                 "recompile of compiling rungs), synchronised, wall clock",
+                 "recompile of compiling rungs), synchronised, wall clock; inference cells only",
     "cache_bytes": "size on disk of the rung's kept caches after the cell",
     "contention": "other processes during the cell's timed phases: other_cpus_busy = CPU time of processes outside "
                   "the ladder's process tree / wall time; gpu_other_pids = processes outside it holding the GPU "

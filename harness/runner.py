@@ -500,7 +500,8 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
         for p in (files["output"], files["result"]):
             p.unlink(missing_ok=True)
         files_of.append(files)
-        hot = "1" if i == 0 and tier.batch_change else "0"
+        # The hot start (a new batch size in the same process) is a deployment's question; training keeps one.
+        hot = "1" if i == 0 and tier.batch_change and cell.task == "infer" else "0"
         jobs.append((cell, files, {**extra, "hot-start": hot}))
     record0 = base_record(cells[0])
     try:
