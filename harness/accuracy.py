@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from harness.train import learning_rate
 from tiers.base import Cell
 
 DIGITS_SPLIT_SEED = 0
@@ -85,7 +86,7 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, epo
     if cell.channels_last:
         example = example.contiguous(memory_format=torch.channels_last)
     t = time.perf_counter()
-    built = tier.build_train(model, example, cell)
+    built = tier.build_train(model, example, cell, lr=learning_rate(cell.batch))
     build_s = time.perf_counter() - t
     evaluator = copy.deepcopy(initial)
     order = torch.Generator().manual_seed(seed)

@@ -306,7 +306,7 @@ def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protoc
         "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device, "--task", cell.task,
         *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
         *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args(),
-        *(("--parity-steps", str(train.K_STEPS)) if cell.task == "train" else ()),
+        *(("--parity-steps", str(train.K_STEPS), "--lr", repr(train.LEARNING_RATE)) if cell.task == "train" else ()),
         *(a for k, v in (extra or {}).items() for a in (f"--{k}", v))]
 
 
@@ -633,7 +633,7 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     if cell.task == "train":
         from safetensors.torch import load_file
 
-        parity = train.compare(load_file(files_out), load_file(ref), cell.dtype)
+        parity = train.compare(load_file(files_out), load_file(ref), load_file(ctx.run.weights), cell.dtype)
     else:
         parity = compare(model_io.read_tensor(files_out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)
     record["wall_s"] = wall_s

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 from conftest import REPO, ladder, records
 from harness import train
-from harness.model import build_model, num_classes
+from harness.model import build_model, num_classes, weights_state
 from tiers.base import Cell
 
 CELL = Cell(tier="eager", model="resnet18", batch=8, res=64, device="cpu", task="train")
+INITIAL = weights_state(build_model("resnet18"))  # the run's weights: what the updates are measured from
 
 
 def run_steps(step_of, x):
@@ -33,13 +34,13 @@ def reference():
 
 def test_the_same_step_passes_parity(reference):
     x, ref = reference
-    verdict = train.compare(run_steps(lambda net: train.make_step(net, net, CELL, 1000)[0], x), ref, "fp32")
+    verdict = train.compare(run_steps(lambda net: train.make_step(net, net, CELL, 1000)[0], x), ref, INITIAL, "fp32")
     assert verdict["ok"] and verdict["rel_err"] == 0.0 and verdict["steps"] == 3
 
 
 def buggy_step(net, bug):
     """The step of harness/train.py with one classic bug."""
-    opt = torch.optim.SGD(net.parameters(), lr=train.learning_rate(8), momentum=train.MOMENTUM,
+    opt = torch.optim.SGD(net.parameters(), lr=train.LEARNING_RATE, momentum=train.MOMENTUM,
                           weight_decay=train.WEIGHT_DECAY)
     y = train.labels(8, 1000, "cpu")
     if bug == "bn-eval":
@@ -60,11 +61,11 @@ def buggy_step(net, bug):
     return step
 
 
-@pytest.mark.parametrize("bug,fails_on", [("bn-eval", "loss"), ("no-zero-grad", "weights"),
+@pytest.mark.parametrize("bug,fails_on", [("bn-eval", "loss"), ("no-zero-grad", "update"),
                                           ("stats-frozen", "running_stats")])
 def test_parity_catches_the_classic_training_bugs(reference, bug, fails_on):
     x, ref = reference
-    verdict = train.compare(run_steps(lambda net: buggy_step(net, bug), x), ref, "fp32")
+    verdict = train.compare(run_steps(lambda net: buggy_step(net, bug), x), ref, INITIAL, "fp32")
     assert not verdict["ok"], verdict
     assert fails_on in verdict["reason"], verdict["reason"]
 

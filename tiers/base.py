@@ -137,10 +137,11 @@ class PythonTier(Tier):
         `example`: the input on the device in the cell's dtype and layout."""
         raise NotImplementedError
 
-    def build_train(self, model: Any, example: Any, cell: Cell) -> Built:
-        """`--task train`: `forward(x)` is one training step (harness/train.py) returning the loss, and `state()`
-        the model's parameters and buffers. `model`: the eager fp32 model on the CPU in train mode; `example`: the
-        fp32 input on the device in the cell's layout (bf16 and fp16 mean autocast)."""
+    def build_train(self, model: Any, example: Any, cell: Cell, lr: float | None = None) -> Built:
+        """`--task train`: `forward(x, y=None)` is one training step (harness/train.py) returning the loss, and
+        `state()` the model's parameters and buffers. `model`: the eager fp32 model on the CPU in train mode;
+        `example`: the fp32 input on the device in the cell's layout (bf16 and fp16 mean autocast); `lr`: the
+        learning rate (default harness.train.LEARNING_RATE)."""
         raise NotImplementedError
 
     def hot_start(self, built: Built, example: Any, cell: Cell) -> dict[str, Any]:

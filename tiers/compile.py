@@ -35,13 +35,13 @@ class Compile(PythonTier):
         compiled = torch.compile(placed, mode=_mode(cell))  # compiles lazily: the cost lands in first_result_s
         return Built(forward=compiled, stats={"compile_mode": _mode(cell)})
 
-    def build_train(self, model, example, cell):
+    def build_train(self, model, example, cell, lr=None):
         from harness import train
         from harness.model import num_classes
 
         torch._dynamo.reset()
         net = train.place_for_training(model, cell)
-        step, _ = train.make_step(net, net, cell, num_classes(net))
+        step, _ = train.make_step(net, net, cell, num_classes(net), lr or train.LEARNING_RATE)
         return Built(forward=torch.compile(step, mode=_mode(cell)), state=lambda: train.state_of(net),
                      stats={"compile_mode": _mode(cell), "compiled": "the whole training step",
                             "memory": train.memory_split(net)})

@@ -14,12 +14,12 @@ class Eager(PythonTier):
     def build(self, model, example, cell):
         return Built(forward=place_model(model, cell))
 
-    def build_train(self, model, example, cell):
+    def build_train(self, model, example, cell, lr=None):
         from harness import train
         from harness.model import num_classes
 
         net = train.place_for_training(model, cell)
-        step, _ = train.make_step(net, net, cell, num_classes(net))
+        step, _ = train.make_step(net, net, cell, num_classes(net), lr or train.LEARNING_RATE)
         return Built(forward=step, stats={"memory": train.memory_split(net)}, state=lambda: train.state_of(net))
 
 

@@ -23,7 +23,7 @@ class TorchScript(PythonTier):
 
         return Built(forward=forward, stats=facts)
 
-    def build_train(self, model, example, cell):
+    def build_train(self, model, example, cell, lr=None):
         import time
         import warnings
 
@@ -40,7 +40,7 @@ class TorchScript(PythonTier):
             for k, v in traced.named_buffers():
                 v.copy_(before[k])
         deprecation = next((str(w.message) for w in caught if "deprecat" in str(w.message).lower()), None)
-        step, _ = train.make_step(traced, traced, cell, num_classes(net))
+        step, _ = train.make_step(traced, traced, cell, num_classes(net), lr or train.LEARNING_RATE)
         return Built(forward=step, state=lambda: train.state_of(traced),
                      stats={"torchscript_trace_s": time.perf_counter() - t, "torchscript_deprecation": deprecation,
                             "memory": train.memory_split(traced)})

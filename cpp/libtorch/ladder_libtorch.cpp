@@ -3,7 +3,7 @@
 // state_dict) loads by name: `layer1.0.downsample.1.running_var` is the same path here as there.
 // With --task train each call is the training step of harness/train.py, in C++: BatchNorm in training mode,
 // cross-entropy against the same fixed labels, backward, torch::optim::SGD (momentum 0.9, weight decay 1e-4,
-// lr 0.1 x batch / 256); bf16 means autocast over fp32 master weights.
+// lr from the contract); bf16 means autocast over fp32 master weights.
 #include <ATen/autocast_mode.h>
 
 #include "torch_rung.h"
@@ -133,7 +133,7 @@ void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, cons
 
 // The training step of harness/train.py (make_step) on `net`, which is on the device in fp32, in train mode.
 Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch) {
-  const double lr = 0.1 * static_cast<double>(batch) / 256;
+  const double lr = a.d("lr");  // harness/train.py LEARNING_RATE, through the contract
   auto optimizer = std::make_shared<torch::optim::SGD>(
       net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
   const torch::Tensor labels = (torch::arange(batch, torch::TensorOptions(cfg.device).dtype(torch::kLong)) * 7919) %
