@@ -617,7 +617,7 @@ def cmd_accuracy(args) -> int:
     lines = [f"# Train to accuracy: {args.model} on {data['dataset']}", "",
              f"{data['train_images']} training and {data['test_images']} test images, {data['classes']} classes; "
              f"{args.epochs} epochs at batch {args.batch}, res {args.res}, {dtype}, on {device}, seed {args.seed}. "
-             f"{doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
+             f"Recipe: {doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
              *report.markdown_table(table), ""]
     lines += [f"- {name}: skipped: {reason}" for name, reason in skipped.items()]
     if plot:

@@ -262,12 +262,14 @@ def accuracy_curves(doc: dict, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     data = doc["data"]
+    device = ((doc.get("environment") or {}).get("gpu") or {}).get("name") or doc["device"]
     ax.set_title(f"{doc['model']} trained on {data['dataset']} ({data['train_images']} train / "
-                 f"{data['test_images']} test images), {doc['device']}, {doc['dtype']}: test accuracy per epoch",
+                 f"{data['test_images']} test images), {device}, {doc['dtype']}: test accuracy per epoch",
                  fontsize=9, wrap=True)
     colours = _colours({r["rung"] for r in doc["rungs"]})
-    for r in doc["rungs"]:
-        ax.plot([c["epoch"] for c in r["curve"]], [100 * c["test_accuracy"] for c in r["curve"]], "o-",
+    for i, r in enumerate(doc["rungs"]):  # line styles and marker sizes differ: identical curves stay visible
+        ax.plot([c["epoch"] for c in r["curve"]], [100 * c["test_accuracy"] for c in r["curve"]],
+                ("-", "--", ":", "-.")[i % 4], marker="osD^"[i % 4], markersize=8 - 2 * (i % 3),
                 color=colours[r["rung"]], label=r["rung"])
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy, % (top-1)")
