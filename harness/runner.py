@@ -519,7 +519,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
             program = tier.command(cell)
             opts = ctx.prepared.get(cell.key, {}).get("options")
             if opts is None:
-                opts = tier.prepare(cell, run.weights, cell_dir(run, cell))
+                opts = tier.prepare(cell, run.weights, cell_dir(run, cell), run.cache(tier.name))
             cell = dataclasses.replace(cell, options=cell.options + tuple(opts.items()))
             argv = contract_argv(program, cell, *jobs[0][1:2], protocol, jobs[0][2])
     except Unavailable as e:
@@ -737,7 +737,8 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
         t = time.perf_counter()
         try:
             opts, beside = counted(f"preparing {cell.label} b{cell.batch} {cell.dtype}",
-                                   lambda: tier.prepare(cell, ctx.run.weights, cell_dir(ctx.run, cell)))
+                                   lambda: tier.prepare(cell, ctx.run.weights, cell_dir(ctx.run, cell),
+                                                        ctx.run.cache(tier.name)))
             ctx.prepared[cell.key] = {"options": opts, "facts": {"prepare_s": time.perf_counter() - t,
                                                                  "concurrent_jobs": beside}}
         except Exception:

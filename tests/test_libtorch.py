@@ -84,7 +84,7 @@ def test_libtorch_matches_eager(programs, files, channels_last):
 
 def test_torchscript_cpp_matches_eager(programs, files):
     cell = Cell(tier="torchscript-cpp", batch=2, res=64, device="cpu")
-    options = TORCHSCRIPT_CPP.prepare(cell, files["resnet50"], files["dir"])
+    options = TORCHSCRIPT_CPP.prepare(cell, files["resnet50"], files["dir"], files["dir"])
     assert Path(options["ts-path"]).is_file()
     result = check_contract(*run_child(programs["torchscript-cpp"], cell, files, options=options), files)
     assert result["build_stats"]["parent_export_s"] == float(options["export-s"])

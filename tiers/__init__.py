@@ -8,8 +8,8 @@ import pkgutil
 from tiers.base import Cell, Tier, Unavailable  # noqa: F401  (re-exported: the interface)
 
 # The ladder's order, from most abstract to least; rungs not listed here follow alphabetically.
-LADDER_ORDER = ("eager", "torchscript", "compile", "onnxruntime", "tensorrt", "ort-tensorrt",
-                "libtorch", "torchscript-cpp", "triton", "cudnn")
+LADDER_ORDER = ("eager", "torchscript", "compile", "aot-inductor", "onnxruntime", "tensorrt", "ort-tensorrt",
+                "libtorch", "torchscript-cpp", "aot-inductor-cpp", "triton", "cudnn")
 
 
 def _modules() -> list[str]:

@@ -171,9 +171,10 @@ class ExternalTier(Tier):
         """Whether the program for this cell is already built (its build cached), so starting it costs no build."""
         return False
 
-    def prepare(self, cell: Cell, weights: Any, workdir: Any) -> dict[str, str]:
+    def prepare(self, cell: Cell, weights: Any, workdir: Any, cache: Any) -> dict[str, str]:
         """Files the program needs made from the run's weights (e.g. a TorchScript module), written under
-        `workdir`; returns extra `--option KEY=VALUE` pairs naming them. Runs in the parent, before the child."""
+        `workdir` (the cell's) or `cache` (the run's, per rung, kept between cells); returns extra
+        `--option KEY=VALUE` pairs naming them. Runs in the parent, before the child."""
         return {}
 
 

@@ -88,7 +88,7 @@ class TorchScriptCpp(LibTorch):
     models = None
     target = "ladder_torchscript_cpp"
 
-    def prepare(self, cell: Cell, weights: Path, workdir: Path) -> dict[str, str]:
+    def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
         """Exports the cell's TorchScript module into `workdir` in a process of its own (tiers/torchscript_export.py)."""
         out = Path(workdir) / "model.torchscript.pt"
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

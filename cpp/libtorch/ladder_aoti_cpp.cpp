@@ -1,0 +1,40 @@
+// The `aot-inductor-cpp` rung: the AOTInductor package that the Python `aot-inductor` rung runs (torch.export with a
+// dynamic batch, compiled ahead of time by Inductor), loaded with torch::inductor::AOTIModelPackageLoader and run
+// with no Python in the process. The parent builds or finds the package before starting this child
+// (tiers/aot_inductor_export.py) and passes `--option pt2-path=PATH` with the export's costs, which are recorded
+// here so that the deployment's life cycle reads from one record.
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include "torch_rung.h"
+
+namespace {
+
+using namespace ladder_torch;
+
+std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap&, const HostTensor& input, Json& stats) {
+  const std::string path = a.option("pt2-path", "");
+  if (path.empty())
+    throw std::runtime_error("aot-inductor-cpp needs --option pt2-path=PATH (written by tiers/aot_inductor_export.py)");
+  // The package's costs, as the Python rung reports them (tiers/aot_inductor_export.py).
+  stats["export_s"] = std::stod(a.option("export-s", "0"));
+  stats["aot_compile_s"] = std::stod(a.option("aot-compile-s", "0"));
+  stats["package_bytes"] = std::stoll(a.option("package-bytes", "0"));
+  stats["cached"] = a.option("cached", "0") == "1";
+  stats["mode"] = a.option("mode", "default");
+  stats["package"] = path.substr(path.find_last_of('/') + 1);
+  return std::make_unique<TorchRung>(a, input, stats, Mode::kInference, [&](const Config& cfg) -> Net {
+    const double t = ladder::now_s();
+    auto loader = std::make_shared<torch::inductor::AOTIModelPackageLoader>(path);
+    stats["package_load_s"] = ladder::now_s() - t;
+    const bool gpu = cfg.device.is_cuda();
+    return [loader, gpu](const torch::Tensor& x) {
+      // On the GPU the package runs on the current stream: the rung's (TorchRung makes it current).
+      void* stream = gpu ? static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()) : nullptr;
+      return loader->run({x}, stream)[0];
+    };
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return ladder::run_child(argc, argv, build); }

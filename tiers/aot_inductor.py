@@ -1,0 +1,76 @@
+"""Rungs `aot-inductor` and `aot-inductor-cpp`: torch.export + AOTInductor, TorchScript's successor for deployment.
+
+Both run the same `.pt2` package (tiers/aot_inductor_export.py: export with a dynamic batch, compile ahead of time,
+cached by the weights' digest): `aot-inductor` loads it with torch._inductor.aoti_load_package and calls it from
+Python; `aot-inductor-cpp` is a C++ program of ours (cpp/libtorch/ladder_aoti_cpp.cpp) that loads it with
+torch::inductor::AOTIModelPackageLoader, with no Python in the process. The deployment life cycle's costs are in
+build_stats: export_s, aot_compile_s and package_bytes as measured when the package was built (the prepare stage
+builds it; `cached` says whether the cell found it built), package_load_s (the load in a fresh process: the
+deployment's cold start; in Python its first call also imports Inductor's runtime). Option `--option aot-inductor:mode=default|max-autotune` (the same for the C++ rung)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import proc as procs
+from tiers.aot_inductor_export import MODES, missing_api, package
+from tiers.base import Built, Cell, PythonTier
+from tiers.libtorch import REPO, LibTorch
+
+
+class AotInductor(PythonTier):
+    name = "aot-inductor"
+    summary = "torch.export (dynamic batch) + AOTInductor .pt2 package, loaded with aoti_load_package from Python"
+    options = {"mode": MODES}
+    caches = ("aot-inductor",)  # the packages, under the run's cache directory
+    warm_in_prepare = True  # the prepare stage builds the packages; a measured cell loads one
+    batch_change = True  # one package serves every batch size
+    cannot_train = "an AOTInductor package is an inference graph (no backward)"
+
+    def availability(self, device: str) -> str | None:
+        return missing_api()
+
+    def build(self, model, example, cell):
+        import torch
+
+        cache = Path(os.environ.get("LADDER_CACHE_DIR") or tempfile.mkdtemp(prefix="ladder-aoti-"))
+        path, facts = package(model, example, cell, cache)
+        t = time.perf_counter()
+        runner = torch._inductor.aoti_load_package(str(path))
+        facts["package_load_s"] = time.perf_counter() - t
+        return Built(forward=runner, stats=facts)
+
+
+class AotInductorCpp(LibTorch):
+    name = "aot-inductor-cpp"
+    summary = "the aot-inductor rung's .pt2 package, loaded with AOTIModelPackageLoader and run from C++; no Python"
+    models = None
+    options = {"mode": MODES}
+    cuda_graph = False
+    cannot_train = "an AOTInductor package is an inference graph (no backward)"
+    target = "ladder_aoti_cpp"
+
+    def availability(self, device: str) -> str | None:
+        return missing_api() or super().availability(device)
+
+    def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
+        """The package, built (or found) in the Python rung's cache by a process of its own: both rungs load one
+        package, and the parent keeps no CUDA context while the child is measured."""
+        shared = Path(cache).parent / AotInductor.name
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        proc = procs.run([sys.executable, "-m", "tiers.aot_inductor_export", "--cell", json.dumps(cell.to_dict()),
+                          "--weights", str(weights), "--cache", str(shared)], cwd=REPO, env=env,
+                         capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-3:]
+            raise RuntimeError("AOTInductor package failed: " + " | ".join(tail))
+        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"pt2-path": facts["path"], "cached": str(int(facts["cached"])), "export-s": f"{facts['export_s']:.3f}",
+                "aot-compile-s": f"{facts['aot_compile_s']:.3f}", "package-bytes": str(facts["package_bytes"])}
+
+
+TIERS = [AotInductor(), AotInductorCpp()]

@@ -1,0 +1,116 @@
+"""The AOTInductor package of the `aot-inductor` rung (loaded from Python) and of the `aot-inductor-cpp` rung (loaded
+by AOTIModelPackageLoader in C++): one recipe for both.
+
+`package(model, example, cell)`: torch.export.export of the model on the cell's device, dtype and layout, with the
+batch dimension dynamic (one package serves every batch size, as a deployed model meets them; Inductor then
+compiles kernels for a symbolic batch), then torch._inductor.aoti_compile_and_package to a `.pt2` file. Packages are
+cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the weights' digest, the model, dtype,
+layout, device, mode and torch version; a hit costs neither export nor compile. For `aot-inductor-cpp` the parent
+runs `python -m tiers.aot_inductor_export --cell JSON --weights W --cache DIR` in a process of its own, as
+torchscript-cpp's export does."""
+from __future__ import annotations
+
+import argparse
+import copy
+import fcntl
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiers.base import Cell, place_model, torch_dtype
+
+MODES = ("default", "max-autotune")
+MAX_BATCH = 4096  # the dynamic batch dimension's upper bound
+
+
+def missing_api() -> str | None:
+    """The exact reason this torch cannot build or load packages, or None."""
+    import torch._inductor as inductor
+
+    for owner, name in ((torch.export, "export"), (torch.export, "Dim"), (inductor, "aoti_compile_and_package"),
+                        (inductor, "aoti_load_package")):
+        if not hasattr(owner, name):
+            return f"torch {torch.__version__} has no {owner.__name__}.{name} (AOTInductor packages need torch >= 2.6)"
+    return None
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the model's state (names, dtypes and bytes): the package bakes the weights in."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def package_key(digest: str, cell: Cell) -> str:
+    mode = cell.option("mode", "default")
+    parts = [digest, cell.model, cell.dtype, "nhwc" if cell.channels_last else "nchw", cell.device, mode,
+             torch.__version__]
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
+
+
+def package(model: torch.nn.Module, example: torch.Tensor, cell: Cell, cache: Path) -> tuple[Path, dict[str, Any]]:
+    """The cell's package (built, or found in `cache`) and the deployment life cycle's facts: export and AOT
+    compile time and package size (as measured when the package was built), and whether this call found it
+    cached."""
+    mode = cell.option("mode", "default")
+    if mode not in MODES:
+        raise ValueError(f"aot-inductor mode {mode!r}; valid: {', '.join(MODES)}")
+    with torch.inference_mode(False):  # the worker builds under inference mode, whose tensors export refuses
+        placed = place_model(copy.deepcopy(model), cell).eval()
+    path = Path(cache) / f"{cell.model}-{package_key(weights_digest(placed), cell)}.pt2"
+    facts: dict[str, Any] = {"mode": mode, "dynamic_batch": f"1..{MAX_BATCH}", "package": path.name}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:  # parallel jobs wanting one package: one builds, the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return path, {**facts, **_build(placed, example, path, mode)}
+
+
+def _build(placed: torch.nn.Module, example: torch.Tensor, path: Path, mode: str) -> dict[str, Any]:
+    """Export and compile unless the package exists; either way its costs as measured when it was built (kept
+    beside it), so every cell that loads it reports them."""
+    costs = path.with_suffix(".json")
+    if path.exists() and costs.exists():
+        return {"cached": True, **json.loads(costs.read_text())}
+    t = time.perf_counter()
+    with torch.inference_mode(False), torch.no_grad():  # export traces outside inference mode
+        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+        # An example of batch 1 would specialise the dimension (export treats sizes 0 and 1 as constants)
+        sample = example.repeat(2, 1, 1, 1) if example.shape[0] == 1 else example.clone()
+        program = torch.export.export(placed, (sample,), dynamic_shapes=({0: batch},))
+    export_s = time.perf_counter() - t
+    t = time.perf_counter()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                             inductor_configs={"max_autotune": mode == "max-autotune"})
+    facts = {"export_s": export_s, "aot_compile_s": time.perf_counter() - t, "package_bytes": tmp.stat().st_size}
+    costs.write_text(json.dumps(facts))
+    tmp.replace(path)  # atomically: a concurrent job never loads half a package
+    return {"cached": False, **facts}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Builds (or finds) the AOTInductor package of one cell.")
+    p.add_argument("--cell", required=True, help="the cell as JSON (Cell.to_dict)")
+    p.add_argument("--weights", type=Path, required=True)
+    p.add_argument("--cache", type=Path, required=True)
+    a = p.parse_args()
+    from harness.model import load_model
+
+    d = json.loads(a.cell)
+    cell = Cell(**{**d, "options": tuple(d["options"].items())})
+    fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
+    example = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=torch_dtype(cell.dtype))
+    path, facts = package(load_model(cell.model, a.weights), example.contiguous(memory_format=fmt), cell, a.cache)
+    print(json.dumps({"path": str(path), **facts}))  # the parent reads the last line
+
+
+if __name__ == "__main__":
+    main()
