@@ -308,3 +308,20 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("ladder: batch 100000 at res 224 needs about") and "the largest batch that fits is" in line
     assert not (tmp_path / "results.jsonl").exists() and not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_cell_measured_beside_a_busy_process_is_flagged_and_refused_on_request(tmp_path):
+    """A busy loop outside the ladder's process tree: the cell is flagged (warn) or refused (error)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        proc = ladder(tmp_path, "--tiers", "eager", "--model", "resnet18", "--batch", "1", "--res", "32",
+                      "--isolation-check", "error", "--min-time", "0.5")
+    finally:
+        busy.kill()
+        busy.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (r,) = records(tmp_path)
+    assert r["contention"]["flagged"] and r["contention"]["other_cpus_busy"] > 0.5
+    assert r["status"] == "contended" and "timings withheld" in r["reason"]
+    assert "latency_ms" not in r or r.get("latency_ms") is None
