@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Triton runs on the CPU under its interpreter, which must be on before triton is first imported anywhere in the
+# test process: a test module that builds a torchvision model at import can import it (tests/test_triton_kernels.py).
+os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent

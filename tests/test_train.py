@@ -15,7 +15,6 @@ from harness.model import build_model, num_classes, weights_state
 from tiers.base import Cell
 
 CELL = Cell(tier="eager", model="resnet18", batch=8, res=64, device="cpu", task="train")
-INITIAL = weights_state(build_model("resnet18"))  # the run's weights: what the updates are measured from
 
 
 def run_steps(step_of, x):
@@ -28,13 +27,15 @@ def run_steps(step_of, x):
 
 @pytest.fixture(scope="module")
 def reference():
+    """The input, eager's output file, and the weights the steps start from (what updates are measured from)."""
     x = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    return x, run_steps(lambda net: train.make_step(net, net, CELL, num_classes(net))[0], x)
+    return x, run_steps(lambda net: train.make_step(net, net, CELL, num_classes(net))[0], x), \
+        weights_state(build_model("resnet18"))
 
 
 def test_the_same_step_passes_parity(reference):
-    x, ref = reference
-    verdict = train.compare(run_steps(lambda net: train.make_step(net, net, CELL, 1000)[0], x), ref, INITIAL, "fp32")
+    x, ref, initial = reference
+    verdict = train.compare(run_steps(lambda net: train.make_step(net, net, CELL, 1000)[0], x), ref, initial, "fp32")
     assert verdict["ok"] and verdict["rel_err"] == 0.0 and verdict["steps"] == 3
 
 
@@ -64,8 +65,8 @@ def buggy_step(net, bug):
 @pytest.mark.parametrize("bug,fails_on", [("bn-eval", "loss"), ("no-zero-grad", "update"),
                                           ("stats-frozen", "running_stats")])
 def test_parity_catches_the_classic_training_bugs(reference, bug, fails_on):
-    x, ref = reference
-    verdict = train.compare(run_steps(lambda net: buggy_step(net, bug), x), ref, INITIAL, "fp32")
+    x, ref, initial = reference
+    verdict = train.compare(run_steps(lambda net: buggy_step(net, bug), x), ref, initial, "fp32")
     assert not verdict["ok"], verdict
     assert fails_on in verdict["reason"], verdict["reason"]
 
