@@ -217,6 +217,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # Warnings meant for the user (a torn results line, say) as one plain line each, not Python's two
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     args = parser().parse_args(argv)
     return {"ladder": cmd_ladder, "sweep": cmd_ladder, "tiers": cmd_tiers, "micro": cmd_micro, "report": cmd_report,
             "compare": cmd_compare, "train-to-accuracy": cmd_accuracy}[args.command](args)
@@ -487,8 +491,9 @@ def cmd_ladder(args) -> int:
                            "command": " ".join(["python -m harness", *sys.argv[1:]]), "wall_s": wall,
                            "builds": builds})
     what = " (training steps)" if args.task == "train" else ""
-    console.print(report.rich_table(ordered_records, title=f"{args.model}{what} on {device_slug(meta['environment'])}",
-                                    wide=args.wide))
+    if ordered_records:
+        console.print(report.rich_table(ordered_records, wide=args.wide,
+                                        title=f"{args.model}{what} on {device_slug(meta['environment'])}"))
     for line in report.failure_lines(ordered_records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     for line in report.fastest_lines(ordered_records):
