@@ -78,6 +78,14 @@ def _by_panel(ok: list[dict]) -> dict[tuple, list[dict]]:
     return dict(sorted(panels.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1:])))
 
 
+def _by_rung(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(rung label, its records in batch order), rungs in name order: one line of a plot against batch each."""
+    lines = defaultdict(list)
+    for r in records:
+        lines[r["label"]].append(r)
+    return [(label, sorted(rs, key=lambda r: r["batch"])) for label, rs in sorted(lines.items())]
+
+
 def _panel_name(key: tuple, keys: list[tuple]) -> str:
     """The dtype, plus layout and res where the document has more than one."""
     dtype, layout, res = key
@@ -99,11 +107,7 @@ def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
     fig, axes = _panels(plt, list(panels), f"{_where(doc)}: {what}")
     for key, records in panels.items():
         ax = axes[key]
-        lines = defaultdict(list)
-        for r in records:
-            lines[r["label"]].append(r)
-        for label, rs in sorted(lines.items()):
-            rs.sort(key=lambda r: r["batch"])
+        for label, rs in _by_rung(records):
             x = [r["batch"] for r in rs]
             if metric == "throughput":
                 ax.plot(x, [r["throughput_img_s"] for r in rs], "o-", color=colours[label], label=label)
@@ -242,11 +246,7 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
     fig, axes = _panels(plt, list(panels), f"{_where(doc)}: achieved TFLOP/s as a share of the measured matmul rate")
     for key, records in panels.items():
         ax = axes[key]
-        lines = defaultdict(list)
-        for r in records:
-            lines[r["label"]].append(r)
-        for label, rs in sorted(lines.items()):
-            rs.sort(key=lambda r: r["batch"])
+        for label, rs in _by_rung(records):
             ax.plot([r["batch"] for r in rs], [100 * r["tflops"]["share_of_measured_peak"] for r in rs], "o-",
                     color=colours[label], label=label)
         _batch_axis(ax, {r["batch"] for r in records})

@@ -1,6 +1,5 @@
 """The AOTInductor rungs on the CPU: a real torch.export + AOTInductor package, loaded from Python and from our C++
 program (built with CMake), both checked against eager; the package cache's key; the reason on an older torch."""
-import json
 
 import torch
 

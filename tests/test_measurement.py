@@ -1,5 +1,4 @@
 """The protocol's statistics and the parity verdicts, on real numbers."""
-import json
 import statistics
 
 import numpy as np

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import Cell, place_model, torch_dtype
+from tiers.base import Cell, place_model, zero_example
 
 MODES = ("default", "max-autotune")
 MAX_BATCH = 4096  # the dynamic batch dimension's upper bound
@@ -104,11 +104,8 @@ def main() -> None:
     a = p.parse_args()
     from harness.model import load_model
 
-    d = json.loads(a.cell)
-    cell = Cell(**{**d, "options": tuple(d["options"].items())})
-    fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
-    example = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=torch_dtype(cell.dtype))
-    path, facts = package(load_model(cell.model, a.weights), example.contiguous(memory_format=fmt), cell, a.cache)
+    cell = Cell.from_dict(json.loads(a.cell))
+    path, facts = package(load_model(cell.model, a.weights), zero_example(cell), cell, a.cache)
     print(json.dumps({"path": str(path), **facts}))  # the parent reads the last line
 
 

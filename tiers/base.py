@@ -72,6 +72,10 @@ class Cell:
         d["options"] = dict(self.options)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Cell:
+        return cls(**{**d, "options": tuple(d["options"].items())})
+
 
 @dataclass
 class Built:
@@ -183,6 +187,14 @@ def torch_dtype(dtype: str) -> Any:
     import torch
 
     return {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
+def zero_example(cell: Cell) -> Any:
+    """A zero input of the cell's shape on its device, dtype and layout: what an export traces with."""
+    import torch
+
+    x = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=torch_dtype(cell.dtype))
+    return x.contiguous(memory_format=torch.channels_last if cell.channels_last else torch.contiguous_format)
 
 
 def place_model(model: Any, cell: Cell) -> Any:

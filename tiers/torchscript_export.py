@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import Cell, place_model, torch_dtype
+from tiers.base import Cell, place_model, zero_example
 
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
                        path: Path | None = None) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
@@ -47,12 +47,9 @@ def main() -> None:
     a = p.parse_args()
     from harness.model import load_model
 
-    d = json.loads(a.cell)
-    cell = Cell(**{**d, "options": tuple(d["options"].items())})
+    cell = Cell.from_dict(json.loads(a.cell))
     model = place_model(load_model(cell.model, a.weights), cell)
-    fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
-    example = torch.zeros(cell.batch, 3, cell.res, cell.res, device=cell.device, dtype=torch_dtype(cell.dtype))
-    _, facts = export_torchscript(model, example.contiguous(memory_format=fmt), a.out)
+    _, facts = export_torchscript(model, zero_example(cell), a.out)
     print(json.dumps(facts))  # the parent reads the facts from the last line
 
 
