@@ -153,6 +153,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         vs_eager = speedup(base, r)
         out.append({
             "rung": r["label"],
+            "task": r.get("task", "infer"),
             "batch": str(r["batch"]),
             "res": str(r["res"]),
             "dtype": r["dtype"],
@@ -203,16 +204,17 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     env = doc["environment"]
     gpu = env.get("gpu") or {}
     lines = [f"# Tier ladder: {', '.join(sorted({r['model'] for r in doc['results']}))}", "",
-             f"Generated {doc['generated']}" + (f" from a run started {env['started_utc']}" if env.get("started_utc") else "")
+             f"Generated {doc['generated']}"
+             + (f" from a run started {env['started_utc']}" if env.get("started_utc") else "")
              + f" on **{gpu.get('name', 'CPU: ' + str(env.get('cpu')))}**"
              + (f" (driver {gpu.get('driver')}, CUDA driver {gpu.get('cuda_driver')})" if gpu else "") + ".",
              f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')}), "
              f"torchvision {env.get('torchvision')}, Triton {env.get('triton')}, ONNX Runtime "
              f"{env.get('onnxruntime')}, TensorRT {env.get('tensorrt') or 'not installed'}.", ""]
     if doc.get("command"):
-        lines += [f"Command: `{doc['command']}`" + (f" ({doc['wall_s']:.0f} s, one process per "
-                                                      f"{doc.get('isolation') or 'rung'})" if doc.get("wall_s") else ""),
-                  ""]
+        took = (f" ({doc['wall_s']:.0f} s, one process per {doc.get('isolation') or 'rung'})"
+                if doc.get("wall_s") else "")
+        lines += [f"Command: `{doc['command']}`{took}", ""]
     runs = doc.get("runs") or []
     if len(runs) > 1:
         lines += [f"Merged from {len(runs)} runs (the `run` field of each JSON record says which):"]
@@ -253,8 +255,9 @@ def _get(r: dict, path: str):
 
 
 CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, plain words, empty where absent
-    "rung": "label", "tier": "tier", "model": "model", "batch": "batch", "res": "res", "dtype": "dtype",
-    "layout": "layout", "cuda_graph": "cuda_graph", "device": "device", "status": "status", "reason": "reason",
+    "rung": "label", "tier": "tier", "task": "task", "model": "model", "batch": "batch", "res": "res",
+    "dtype": "dtype", "layout": "layout", "cuda_graph": "cuda_graph", "device": "device", "status": "status",
+    "reason": "reason",
     "start": "start", "latency_median_ms": "latency_ms.median", "latency_p90_ms": "latency_ms.p90",
     "latency_p99_ms": "latency_ms.p99", "latency_ci95_low_ms": "latency_ms.ci95_low",
     "latency_ci95_high_ms": "latency_ms.ci95_high", "latency_cv": "latency_ms.cv", "latency_n": "latency_ms.n",
@@ -277,7 +280,8 @@ def to_csv(doc: dict) -> str:
     w = csv.writer(buf)
     w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run"])
     for r in records:
-        r = {**r, "layout": r.get("layout") or ("nhwc" if r["channels_last"] else "nchw"), "bound": bound(r)}
+        r = {**r, "layout": r.get("layout") or ("nhwc" if r["channels_last"] else "nchw"), "bound": bound(r),
+             "task": r.get("task", "infer")}
         base = eager_baseline(records, r)
         w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
                    + [_fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r)])
@@ -303,7 +307,11 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
     shown = records if wide else [r for r in records if r["status"] not in ("unavailable", "skipped")]
     all_rows = rows(records)
     by_id = {id(r): row for r, row in zip(records, all_rows)}
-    cols = [c for c in (list(all_rows[0]) if wide and all_rows else COMPACT) if c != "status"]
+    mixed = len({row["task"] for row in all_rows}) > 1  # a merged report of inference and training
+    cols = [c for c in (list(all_rows[0]) if wide and all_rows else COMPACT) if c != "status"
+            and (c != "task" or wide or mixed)]
+    if mixed and not wide:
+        cols.insert(1, "task")
     for c in cols:  # only the rung's name may wrap (at '(' of its options); a number or a word never breaks
         table.add_column(c, justify="left" if c in ("rung", "dtype", "layout", "parity", "bound", "start") else "right",
                          no_wrap=c != "rung")
@@ -328,7 +336,8 @@ def failure_lines(records: list[dict]) -> list[str]:
             groups.setdefault((r["label"], r["status"], " ".join(str(r.get("reason") or "").split())), []).append(r)
     lines = []
     for (label, status, reason), rs in groups.items():
-        cells = (f"b{rs[0]['batch']} {rs[0]['dtype']} {rs[0].get('layout') or ('nhwc' if rs[0]['channels_last'] else 'nchw')}"
+        one = rs[0]
+        cells = (f"b{one['batch']} {one['dtype']} {one.get('layout') or ('nhwc' if one['channels_last'] else 'nchw')}"
                  if len(rs) == 1 else f"{len(rs)} cells")
         lines.append(f"{label} {cells}: {status}: {reason}")
     return lines
@@ -338,11 +347,14 @@ def fastest_lines(records: list[dict]) -> list[str]:
     """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
     ok = [r for r in records if r["status"] == "ok"]
     out = []
-    for key in sorted({(r["batch"], r["dtype"], r["channels_last"], r["res"]) for r in ok}):
-        same = [r for r in ok if (r["batch"], r["dtype"], r["channels_last"], r["res"]) == key]
-        best = min(same, key=lambda r: r["latency_ms"]["median"])
+    def config(r: dict) -> tuple:
+        return r.get("task", "infer"), r["batch"], r["dtype"], r["channels_last"], r["res"]
+
+    for key in sorted({config(r) for r in ok}):
+        best = min((r for r in ok if config(r) == key), key=lambda r: r["latency_ms"]["median"])
         lead = speedup(eager_baseline(records, best), best)
-        out.append(f"batch {key[0]} {key[1]} {'nhwc' if key[2] else 'nchw'} res {key[3]}: fastest {best['label']} "
+        out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
+                   f"{'nhwc' if key[3] else 'nchw'} res {key[4]}: fastest {best['label']} "
                    f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else ""))
     return out
 

@@ -60,9 +60,9 @@ def place_for_training(model: torch.nn.Module, cell: Any) -> torch.nn.Module:
 
 def make_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.nn.Module, cell: Any,
               num_classes: int, lr: float = LEARNING_RATE) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
-    """step(x, y=None) -> loss (detached, not synchronised), and its optimizer; y: labels (default: the fixed ones). `forward` runs the model (eager, scripted or
-    compiled); `params_of` owns the parameters it trains. Labels are sliced from a fixed tensor of batch + 1, so the
-    hot start (batch + 1) takes the same step."""
+    """step(x, y=None) -> loss (detached, not synchronised), and its optimizer. `forward` runs the model (eager,
+    scripted or compiled); `params_of` owns the parameters it trains; y: the labels (default: fixed ones, sliced from
+    a tensor of batch + 1, so that another batch size takes the same step)."""
     optimizer = torch.optim.SGD(params_of.parameters(), lr=lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY)
     amp = AMP.get(cell.dtype)
@@ -134,7 +134,8 @@ def compare(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], initial:
     stats_err = stats[stats_worst] if stats_worst else 0.0
     failures = []
     if max(loss_err) > tol["loss"]:
-        failures.append(f"loss rel err {max(loss_err):.2e} > {tol['loss']:.0e} (step {loss_err.index(max(loss_err)) + 1})")
+        step = loss_err.index(max(loss_err)) + 1
+        failures.append(f"loss rel err {max(loss_err):.2e} > {tol['loss']:.0e} (step {step})")
     if update_err > tol["update"]:
         failures.append(f"update rel err {update_err:.2e} > {tol['update']:.0e}")
     if stats_err > tol["running_stats"]:

@@ -88,7 +88,8 @@ def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_n
     assert recs["compile"]["build_stats"]["compiled"] == "the whole training step"
     assert recs["onnxruntime"]["status"] == "skipped" and "training API" in recs["onnxruntime"]["reason"]
     assert recs["torchscript-cpp"]["status"] == "skipped" and "frozen" in recs["torchscript-cpp"]["reason"]
-    assert recs["eager"]["parity"]["rel_err"] == 0 and recs["libtorch"]["parity"]["loss"] == recs["eager"]["parity"]["loss"]
+    assert recs["eager"]["parity"]["rel_err"] == 0
+    assert recs["libtorch"]["parity"]["loss"] == recs["eager"]["parity"]["loss"]  # C++ takes the same step
     assert recs["cudnn"]["status"] == "unavailable"
     assert "(training steps)" in proc.stdout
 

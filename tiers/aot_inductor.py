@@ -6,7 +6,8 @@ Python; `aot-inductor-cpp` is a C++ program of ours (cpp/libtorch/ladder_aoti_cp
 torch::inductor::AOTIModelPackageLoader, with no Python in the process. The deployment life cycle's costs are in
 build_stats: export_s, aot_compile_s and package_bytes as measured when the package was built (the prepare stage
 builds it; `cached` says whether the cell found it built), package_load_s (the load in a fresh process: the
-deployment's cold start; in Python its first call also imports Inductor's runtime). Option `--option aot-inductor:mode=default|max-autotune` (the same for the C++ rung)."""
+deployment's cold start; in Python its first call also imports Inductor's runtime).
+Option `--option aot-inductor:mode=default|max-autotune` (the same for the C++ rung)."""
 from __future__ import annotations
 
 import json

@@ -71,7 +71,8 @@ class TritonTier(PythonTier):
             tuning.save_tuned(tuned_file, {"gpu": torch.cuda.get_device_name() if example.is_cuda else "cpu",
                                            "triton": triton_version()})
         stats = {
-            "autotune": "interpreter" if tuning.INTERPRET else ("on" if tune else "off"),  # the interpreter never autotunes
+            # the interpreter never autotunes
+            "autotune": "interpreter" if tuning.INTERPRET else ("on" if tune else "off"),
             "tuning_tables": tables,  # tuning tables read: shipped for this GPU model, and the run's own
             "table_hits": tuning.STATS["table_hits"] - before["table_hits"],  # launches configured from a table
             "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
