@@ -71,9 +71,10 @@ def test_compile_reports_compiler_facts(python_rungs):
 def test_markdown_report(python_rungs):
     md = (python_rungs / "ladder.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| rung | batch | res | dtype | layout | start | status | median ms")
+    assert table[0].startswith("| rung | task | batch | res | dtype | layout | start | status | median ms")
     assert len(table) == 1 + 4  # header + one row per cell
-    assert any(line.startswith("| compile(default) | 2 | 32 | fp32 | nchw | warm-start | ok |") for line in table)
+    assert any(line.startswith("| compile(default) | infer | 2 | 32 | fp32 | nchw | warm-start | ok |")
+               for line in table)
 
 
 def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
