@@ -20,16 +20,15 @@ def reference(model_name: str, weights: str, input_path: str, output: str, devic
     torch.backends.cudnn.allow_tf32 = False
     model = load_model(model_name, weights).to(device)
     x = read_tensor(input_path, "input").to(device)
-    if task == "train":
+    if task == "train":  # the eager rung's step, in strict fp32 and NCHW
         from harness import train
-        from harness.model import num_classes
+        from tiers import get_tier
         from tiers.base import Cell
 
         cell = Cell(tier="eager", model=model_name, batch=x.shape[0], res=x.shape[-1], device=device, task=task)
-        model.train()
-        step, _ = train.make_step(model, model, cell, num_classes(model))
-        losses = [step(x) for _ in range(train.K_STEPS)]
-        save_file(train.output_tensors(losses, train.state_of(model)), output)
+        built = get_tier("eager").build_train(model.train(), x, cell)
+        losses = [built.forward(x) for _ in range(train.K_STEPS)]
+        save_file(train.output_tensors(losses, built.state()), output)
         return
     with torch.inference_mode():
         out = model(x)

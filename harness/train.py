@@ -59,11 +59,11 @@ def place_for_training(model: torch.nn.Module, cell: Any) -> torch.nn.Module:
 
 
 def make_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.nn.Module, cell: Any,
-              num_classes: int, lr: float = LEARNING_RATE) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
-    """step(x, y=None) -> loss (detached, not synchronised), and its optimizer. `forward` runs the model (eager,
-    scripted or compiled); `params_of` owns the parameters it trains; y: the labels (default: fixed ones, sliced from
-    a tensor of batch + 1, so that another batch size takes the same step)."""
-    optimizer = torch.optim.SGD(params_of.parameters(), lr=lr, momentum=MOMENTUM,
+              num_classes: int, lr: float | None = None) -> Callable[..., torch.Tensor]:
+    """step(x, y=None) -> loss (detached, not synchronised). `forward` runs the model (eager, scripted or
+    compiled); `params_of` owns the parameters it trains; y: the labels (default: fixed ones, sliced from a tensor
+    of batch + 1, so that another batch size takes the same step); lr: default LEARNING_RATE."""
+    optimizer = torch.optim.SGD(params_of.parameters(), lr=LEARNING_RATE if lr is None else lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY)
     amp = AMP.get(cell.dtype)
     scaler = torch.amp.GradScaler(cell.device) if cell.dtype == "fp16" else None
@@ -82,7 +82,17 @@ def make_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.
             scaler.update()
         return loss.detach()
 
-    return step, optimizer
+    return step
+
+
+def built_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.nn.Module, cell: Any,
+               num_classes: int, lr: float | None = None, stats: dict | None = None) -> Any:
+    """What a rung's build_train returns: the step of make_step as `forward`, the state of `params_of`, and the
+    memory the rung knows of (besides `stats`)."""
+    from tiers.base import Built
+
+    return Built(forward=make_step(forward, params_of, cell, num_classes, lr), state=lambda: state_of(params_of),
+                 stats={**(stats or {}), "memory": memory_split(params_of)})
 
 
 def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -172,7 +172,7 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     set_math_mode(cell.dtype)
     example = prepare_input(x_host, cell)
     if cell.task == "train":
-        built = tier.build_train(model.train(), example, cell)
+        built = tier.build_train(model.train(), example, cell, lr=float(kv["lr"]))
     else:
         built = tier.build(model, example, cell)
     if cell.cuda_graph:
@@ -189,7 +189,7 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     if cell.task == "train":  # the parity steps: the first was the first result, from the run's weights
         from harness import train
 
-        losses = [out] + [built.forward(example) for _ in range(train.K_STEPS - 1)]
+        losses = [out] + [built.forward(example) for _ in range(int(kv["parity-steps"]) - 1)]
         save_file(train.output_tensors(losses, built.state()), kv["output"])
     else:
         save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])

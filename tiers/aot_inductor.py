@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import proc as procs
 from tiers.aot_inductor_export import MODES, missing_api, package
 from tiers.base import Built, Cell, PythonTier
-from tiers.libtorch import REPO, LibTorch
+from tiers.libtorch import LibTorch, export_process
 
 
 class AotInductor(PythonTier):
@@ -62,14 +60,8 @@ class AotInductorCpp(LibTorch):
         """The package, built (or found) in the Python rung's cache by a process of its own: both rungs load one
         package, and the parent keeps no CUDA context while the child is measured."""
         shared = Path(cache).parent / AotInductor.name
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        proc = procs.run([sys.executable, "-m", "tiers.aot_inductor_export", "--cell", json.dumps(cell.to_dict()),
-                          "--weights", str(weights), "--cache", str(shared)], cwd=REPO, env=env,
-                         capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-3:]
-            raise RuntimeError("AOTInductor package failed: " + " | ".join(tail))
-        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+        facts = export_process("tiers.aot_inductor_export", "AOTInductor package", [
+            "--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--cache", str(shared)])
         return {"pt2-path": facts["path"], "cached": str(int(facts["cached"])), "export-s": f"{facts['export_s']:.3f}",
                 "aot-compile-s": f"{facts['aot_compile_s']:.3f}", "package-bytes": str(facts["package_bytes"])}
 

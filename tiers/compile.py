@@ -31,9 +31,9 @@ class Compile(PythonTier):
 
     def build(self, model, example, cell):
         torch._dynamo.reset()
-        placed = place_model(model, cell)
-        compiled = torch.compile(placed, mode=_mode(cell))  # compiles lazily: the cost lands in first_result_s
-        return Built(forward=compiled, stats={"compile_mode": _mode(cell)})
+        mode = _mode(cell)
+        compiled = torch.compile(place_model(model, cell), mode=mode)  # lazily: the cost lands in first_result_s
+        return Built(forward=compiled, stats={"compile_mode": mode})
 
     def build_train(self, model, example, cell, lr=None):
         from harness import train
@@ -41,10 +41,10 @@ class Compile(PythonTier):
 
         torch._dynamo.reset()
         net = train.place_for_training(model, cell)
-        step, _ = train.make_step(net, net, cell, num_classes(net), lr or train.LEARNING_RATE)
-        return Built(forward=torch.compile(step, mode=_mode(cell)), state=lambda: train.state_of(net),
-                     stats={"compile_mode": _mode(cell), "compiled": "the whole training step",
-                            "memory": train.memory_split(net)})
+        built = train.built_step(net, net, cell, num_classes(net), lr,
+                                 {"compile_mode": _mode(cell), "compiled": "the whole training step"})
+        built.forward = torch.compile(built.forward, mode=_mode(cell))
+        return built
 
     def after(self, built, example, cell):
         from torch._dynamo.utils import counters

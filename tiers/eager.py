@@ -19,8 +19,7 @@ class Eager(PythonTier):
         from harness.model import num_classes
 
         net = train.place_for_training(model, cell)
-        step, _ = train.make_step(net, net, cell, num_classes(net), lr or train.LEARNING_RATE)
-        return Built(forward=step, stats={"memory": train.memory_split(net)}, state=lambda: train.state_of(net))
+        return train.built_step(net, net, cell, num_classes(net), lr)
 
 
 TIER = Eager()

@@ -43,6 +43,16 @@ def _missing() -> str | None:
     return None
 
 
+def export_process(module: str, what: str, args: list[str]) -> dict:
+    """Runs `python -m module args` (an export for a C++ rung) in a process of its own, so that the parent keeps no
+    CUDA context while the child is measured; returns the JSON facts it prints on its last line."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = procs.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 class LibTorch(ExternalTier):
     name = "libtorch"
     cannot_train = None
@@ -91,14 +101,8 @@ class TorchScriptCpp(LibTorch):
     def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
         """Exports the cell's TorchScript module into `workdir` in a process of its own (tiers/torchscript_export.py)."""
         out = Path(workdir) / "model.torchscript.pt"
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        proc = procs.run([sys.executable, "-m", "tiers.torchscript_export", "--cell", json.dumps(cell.to_dict()),
-                          "--weights", str(weights), "--out", str(out)], cwd=REPO, env=env, capture_output=True,
-                         text=True)
-        if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-3:]
-            raise RuntimeError("TorchScript export failed: " + " | ".join(tail))
-        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+        facts = export_process("tiers.torchscript_export", "TorchScript export",
+                               ["--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--out", str(out)])
         return {"ts-path": str(out), "export-s": f"{facts['torchscript_export_s']:.3f}"}
 
 

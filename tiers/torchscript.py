@@ -40,10 +40,8 @@ class TorchScript(PythonTier):
             for k, v in traced.named_buffers():
                 v.copy_(before[k])
         deprecation = next((str(w.message) for w in caught if "deprecat" in str(w.message).lower()), None)
-        step, _ = train.make_step(traced, traced, cell, num_classes(net), lr or train.LEARNING_RATE)
-        return Built(forward=step, state=lambda: train.state_of(traced),
-                     stats={"torchscript_trace_s": time.perf_counter() - t, "torchscript_deprecation": deprecation,
-                            "memory": train.memory_split(traced)})
+        facts = {"torchscript_trace_s": time.perf_counter() - t, "torchscript_deprecation": deprecation}
+        return train.built_step(traced, traced, cell, num_classes(net), lr, facts)
 
 
 TIER = TorchScript()
