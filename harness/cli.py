@@ -146,16 +146,16 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--iters", type=_positive_int, default=10, help="fewest timed iterations per cell")
     lad.add_argument("--min-time", type=_number(0, low_open=False), default=0.1,
                      help="fewest seconds of timed iterations per cell")
-    lad.add_argument("--max-time", type=_number(0), default=2.0,
+    lad.add_argument("--max-time", type=_number(0), default=1.0,
                      help="most seconds of timed iterations per cell if the median is not yet known to --precision")
     lad.add_argument("--precision", type=_number(0, 1), default=0.01,
                      help="stop timing once the median's 95%% confidence interval is within this share of it")
     lad.add_argument("--warmup-max", type=_positive_int, default=200, help="most warm-up iterations")
     lad.add_argument("--warmup-s", type=_number(0, low_open=False), default=1.0,
                      help="most warm-up seconds (unless still under 5 calls)")
-    lad.add_argument("--util-s", type=_number(0, low_open=False), default=0.5,
+    lad.add_argument("--util-s", type=_number(0, low_open=False), default=0.3,
                      help="seconds of the utilisation pass")
-    lad.add_argument("--e2e-iters", type=_positive_int, default=5, help="iterations of each end-to-end variant")
+    lad.add_argument("--e2e-iters", type=_positive_int, default=3, help="iterations of each end-to-end variant")
     lad.add_argument("--timeout", type=_number(0), default=900.0, help="seconds before a cell is killed and recorded")
     lad.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
                      help="parallel jobs of the prepare stage (builds, exports, warm caches)")

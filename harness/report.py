@@ -33,6 +33,8 @@ DEFINITIONS = {
     "hot_start": "first call at batch + 1 in the process of the rung's first measured cell (a new shape: the "
                  "recompile of compiling rungs), synchronised, wall clock; inference cells only",
     "cache_bytes": "size on disk of the rung's kept caches after the cell",
+    "phase_s": "wall seconds of the cell per protocol phase, from the parent's clock ('start': the process's start "
+               "and imports for a process's first cell); they add up to wall_s",
     "contention": "other processes during the cell's timed phases: other_cpus_busy = CPU time of processes outside "
                   "the ladder's process tree / wall time; gpu_other_pids = processes outside it holding the GPU "
                   "(NVML; null where its PIDs cannot be matched); flagged when more than half a CPU or any GPU "

@@ -46,13 +46,13 @@ class Protocol:
     warmup_s: float = 1.0
     iters: int = 10
     min_time_s: float = 0.1
-    max_time_s: float = 2.0
+    max_time_s: float = 1.0
     max_iters: int = 5000
     precision: float = 0.01
-    pipelined_iters: int = 10
+    pipelined_iters: int = 5
     pipelined_s: float = 0.25
-    e2e_iters: int = 5
-    util_s: float = 0.5
+    e2e_iters: int = 3
+    util_s: float = 0.3
     timeout_s: float = 900.0
 
     def args(self) -> list[str]:
@@ -466,9 +466,9 @@ def screen(ctx: Context, cell: Cell) -> dict | None:
 
 
 def measure_cells(ctx: Context, cells: list[Cell], on_record: Callable[[dict], None]) -> None:
-    """Measures `cells` (of one rung): a Python rung's in one worker process under --isolation rung (each in its own
-    otherwise), an external rung's each in its own process. After a crash or timeout the remaining cells go on in a
-    new process. Calls `on_record` as each cell ends; raises KeyboardInterrupt after recording the cell in flight."""
+    """Measures `cells` (of one rung) in one child process under --isolation rung (each in its own otherwise), the
+    Python worker or the rung's own program alike. After a crash or timeout the remaining cells go on in a new
+    process. Calls `on_record` as each cell ends; raises KeyboardInterrupt after recording the cell in flight."""
     pending = []
     for cell in cells:
         rec = screen(ctx, cell)
@@ -476,8 +476,7 @@ def measure_cells(ctx: Context, cells: list[Cell], on_record: Callable[[dict], N
             on_record(rec)
         else:
             pending.append(cell)
-    tier = all_tiers()[cells[0].tier] if cells else None
-    shared = tier is not None and tier.kind == "python" and ctx.isolation == "rung"
+    shared = ctx.isolation == "rung"
     while pending:
         batch = pending if shared else pending[:1]
         done = run_process(ctx, batch, on_record)
@@ -504,35 +503,42 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
         hot = "1" if i == 0 and tier.batch_change and cell.task == "infer" else "0"
         jobs.append((cell, files, {**extra, "hot-start": hot}))
     record0 = base_record(cells[0])
+    built_before = None
     try:
         if tier.kind == "python":
-            if len(cells) == 1:
-                argv = contract_argv([sys.executable, "-m", "harness.worker"], *jobs[0][:2], protocol, jobs[0][2])
-            else:
-                listing = cell_dir(run, cells[0]) / "cells.json"
-                listing.write_text(json.dumps([contract_argv([], c, f, protocol, x) for c, f, x in jobs]))
-                argv = [sys.executable, "-m", "harness.worker", "--cells", str(listing)]
-            built_before = None
+            program = [sys.executable, "-m", "harness.worker"]
         else:
-            cell = cells[0]
-            built_before = tier.built(cell)
-            program = tier.command(cell)
-            opts = ctx.prepared.get(cell.key, {}).get("options")
-            if opts is None:
-                opts = tier.prepare(cell, run.weights, cell_dir(run, cell), run.cache(tier.name))
-            cell = dataclasses.replace(cell, options=cell.options + tuple(opts.items()))
-            argv = contract_argv(program, cell, *jobs[0][1:2], protocol, jobs[0][2])
+            built_before = tier.built(cells[0])
+            program = tier.command(cells[0])
+            for i, (cell, files, extra) in enumerate(jobs):  # the files each cell needs, made from the weights
+                try:
+                    opts = ctx.prepared.get(cell.key, {}).get("options")
+                    if opts is None:
+                        opts = tier.prepare(cell, run.weights, cell_dir(run, cell), run.cache(tier.name))
+                except Exception:
+                    if i == 0:
+                        raise
+                    cells, jobs, files_of = cells[:i], jobs[:i], files_of[:i]  # cell i fails first in the next process
+                    break
+                jobs[i] = (dataclasses.replace(cell, options=cell.options + tuple(opts.items())), files, extra)
     except Unavailable as e:
         on_record({**record0, "status": "unavailable", "reason": str(e)})
         return 1
     except Exception as e:  # building or preparing the rung's files failed: an error of ours, not 'cannot run here'
         on_record({**record0, "status": "error", "reason": f"preparing {cells[0].tier}: {type(e).__name__}: {e}"})
         return 1
+    if len(jobs) == 1:
+        argv = contract_argv(program, *jobs[0][:2], protocol, jobs[0][2])
+    else:  # one process measures the cells in turn (harness/worker.py and cpp/common/ladder/protocol.h `--cells`)
+        listing = cell_dir(run, cells[0]) / "cells.json"
+        listing.write_text(json.dumps([contract_argv([], c, f, protocol, x) for c, f, x in jobs], ensure_ascii=False))
+        argv = program + ["--cells", str(listing)]
 
     cache_kept = tier.caches and dir_bytes(cache) > 0  # a warm start needs something in the caches
     env = child_env(PYTHONUNBUFFERED="1", **cache_env(cache, tunings))
     stderr_path = cell_dir(run, cells[0]) / "stderr.txt"
-    state = {"index": 0, "started": time.time(), "errors": {}, "contention": {}, "began": {0: (time.time(), utc_now())}}
+    state = {"index": 0, "started": time.time(), "errors": {}, "contention": {}, "began": {0: (time.time(), utc_now())},
+             "phases": collections.defaultdict(list)}
     oom_before = cgroup_oom_kills()
     with open(stderr_path, "w") as err:
         baseline = device_memory_used()
@@ -551,6 +557,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
                     check.start = None  # a new cell: its own window
                 elif line.startswith("@@phase "):
                     ph = line[8:]
+                    state["phases"][state["index"]].append((ph, time.time()))
                     sampler.phase = ph
                     if ph == "warmup":
                         check.begin()
@@ -593,6 +600,10 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
         wall_s = (min(ends) if ends else time.time()) - (began[0] if began else t_start)
         record["isolation"] = ctx.isolation
         record["process_position"] = i  # cells this process measured before this one
+        # Where the cell's wall time went, phase by phase ('start': process start and imports, or the step between cells)
+        end = began[0] + wall_s if began else time.time()
+        marks = ([("start", began[0])] if began else []) + state["phases"].get(i, []) + [("", end)]
+        record["phase_s"] = {ph: round(t1 - t0, 3) for (ph, t0), (_, t1) in zip(marks, marks[1:]) if ph != "done"}
         record["nvml"] = sampler.summary(baseline, i, i > 0)
         record["contention"] = state["contention"].get(i)
         if files["result"].exists():
@@ -607,8 +618,8 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
             status, reason = failure_status(0, state["errors"][i], "")
             on_record({**record, "status": status, "reason": reason})
             ended += 1
-            if tier.kind == "python" and len(cells) > 1:
-                continue  # the worker reported it and went on with the next cell
+            if len(cells) > 1:
+                continue  # the child reported it and went on with the next cell
             return ended
         if i != state["index"] and not interrupted:
             return ended  # not reached: the caller starts a new process for the rest
@@ -732,17 +743,20 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
         except Exception as e:  # recorded per cell when the cell runs (the build is tried again there)
             builds[tier_name] = {"error": f"{type(e).__name__}: {e}"}
 
-    def export(cell: Cell) -> None:
-        tier = tiers[cell.tier]
-        t = time.perf_counter()
-        try:
-            opts, beside = counted(f"preparing {cell.label} b{cell.batch} {cell.dtype}",
-                                   lambda: tier.prepare(cell, ctx.run.weights, cell_dir(ctx.run, cell),
-                                                        ctx.run.cache(tier.name)))
-            ctx.prepared[cell.key] = {"options": opts, "facts": {"prepare_s": time.perf_counter() - t,
-                                                                 "concurrent_jobs": beside}}
-        except Exception:
-            pass  # prepared again, and its failure recorded, when the cell runs
+    def export(cells: list[Cell]) -> None:
+        # One dtype's cells in turn: those that share a file (an AOTInductor package serves every batch size) find
+        # it made instead of holding a job slot while they wait for it.
+        for cell in cells:
+            tier = tiers[cell.tier]
+            t = time.perf_counter()
+            try:
+                opts, beside = counted(f"preparing {cell.label} b{cell.batch} {cell.dtype}",
+                                       lambda: tier.prepare(cell, ctx.run.weights, cell_dir(ctx.run, cell),
+                                                            ctx.run.cache(tier.name)))
+                ctx.prepared[cell.key] = {"options": opts, "facts": {"prepare_s": time.perf_counter() - t,
+                                                                     "concurrent_jobs": beside}}
+            except Exception:
+                pass  # prepared again, and its failure recorded, when the cell runs
 
     def warm(cells: list[Cell]) -> None:
         # The same child as the measured one (harness.worker), asked to stop after the first result.
@@ -783,21 +797,26 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
         except ReferenceFailed:
             pass  # remembered by the run directory and recorded for each of its cells
 
-    tasks: list[Callable[[], None]] = [lambda b=b, r=r, t=t: reference(b, r, t) for b, r, t in sorted(configs)]
+    # Submitted longest first, as they usually run (exports and AOT compiles, then compiling warm-ups, then C++
+    # builds, then the eager references), so that the slowest start first when there are more tasks than jobs.
+    exports: list[Callable[[], None]] = []
+    warms: list[Callable[[], None]] = []
+    program_builds: list[Callable[[], None]] = []
     for name, cells in groups.items():
         tier = tiers[name]
         runnable = [c for c in cells if tier.availability(c.device) is None and tier.supports(c) is None]
         if not runnable:
             continue
+        by_dtype: dict[str, list[Cell]] = collections.defaultdict(list)
+        for c in runnable:
+            by_dtype[c.dtype].append(c)
         if tier.kind == "external":
-            tasks.append(lambda n=name, c=runnable[0]: build(n, c))
+            program_builds.append(lambda n=name, c=runnable[0]: build(n, c))
             if type(tier).prepare is not ExternalTier.prepare:
-                tasks += [lambda c=c: export(c) for c in runnable]
+                exports += [lambda cs=cs: export(cs) for cs in by_dtype.values()]
         elif tier.caches and tier.warm_in_prepare and ctx.isolation == "rung":
-            by_dtype: dict[str, list[Cell]] = collections.defaultdict(list)
-            for c in runnable:
-                by_dtype[c.dtype].append(c)
-            tasks += [lambda cs=cs: warm(cs) for cs in by_dtype.values()]
+            warms += [lambda cs=cs: warm(cs) for cs in by_dtype.values()]
+    tasks = exports + warms + program_builds + [lambda b=b, r=r, t=t: reference(b, r, t) for b, r, t in sorted(configs)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for f in [pool.submit(t) for t in tasks]:
             try:

@@ -229,7 +229,7 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
     wmin, wmax, ws = int(kv["warmup-min"]), int(kv["warmup-max"]), float(kv["warmup-s"])
     while len(warm) < wmax and (time.perf_counter() - t < ws or len(warm) < wmin):
         warm.append(timed_call())
-        if len(warm) >= max(wmin, 10):
+        if len(warm) >= max(wmin, 6):  # the medians of two halves of 3 or more
             half = len(warm) // 2
             last, prev = _median(warm[half:]), _median(warm[:half])
             if abs(last - prev) <= 0.02 * prev:

@@ -21,6 +21,13 @@ from tiers.base import Built, Cell, PythonTier
 from tiers.libtorch import LibTorch, export_process
 
 
+# torch builds whose Python loader crashes on every CUDA package (docs/notes/aoti-python-cuda-crash.md): on the lent
+# H100, torch 2.11.0+cu130's aoti_load_package dies by SIGSEGV while building the model container, for ResNet-50
+# and for a one-layer model alike, under every compile setting tried, while AOTIModelPackageLoader in our C++
+# program (aot-inductor-cpp) runs the same packages. Not tried again per cell: each try is a crashed process.
+PYTHON_LOADER_CRASHES_ON_CUDA = ("2.11.0+cu130",)
+
+
 class AotInductor(PythonTier):
     name = "aot-inductor"
     summary = "torch.export (dynamic batch) + AOTInductor .pt2 package, loaded with aoti_load_package from Python"
@@ -31,6 +38,11 @@ class AotInductor(PythonTier):
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
 
     def availability(self, device: str) -> str | None:
+        import torch
+
+        if device == "cuda" and torch.__version__ in PYTHON_LOADER_CRASHES_ON_CUDA:
+            return (f"torch {torch.__version__}'s aoti_load_package crashes (SIGSEGV) loading any CUDA package; the "
+                    "C++ loader runs the same package: aot-inductor-cpp (docs/notes/aoti-python-cuda-crash.md)")
         return missing_api()
 
     def build(self, model, example, cell):

@@ -150,6 +150,9 @@ class TorchRung : public ladder::Rung {
     if (a.on_gpu()) {
       if (!torch::cuda::is_available()) throw std::runtime_error("--device cuda but torch sees no CUDA device");
       cfg.device = torch::Device(torch::kCUDA, 0);  // cuDNN benchmark mode stays off, as in the Python rungs
+      // A process measuring several cells in turn: the previous cell's cached blocks go back first, as the Python
+      // worker's torch.cuda.empty_cache() does, so that each cell's memory figures are its own.
+      c10::cuda::CUDACachingAllocator::emptyCache();
       stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, cfg.device.index());
     } else if (a.flag("cuda-graph")) {
       throw std::runtime_error("CUDA graphs need --device cuda");

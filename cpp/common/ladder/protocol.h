@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -52,12 +54,13 @@ struct Args {
     return it == options.end() ? dflt : it->second;
   }
   bool on_gpu() const { return get("device") == "cuda"; }
-  static Args parse(int argc, char** argv) {
+  static Args parse(int argc, char** argv) { return parse(std::vector<std::string>(argv + 1, argv + argc)); }
+  static Args parse(const std::vector<std::string>& argv) {
     Args a;
-    for (int i = 1; i + 1 < argc; i += 2) {
-      std::string k = argv[i];
+    for (size_t i = 0; i + 1 < argv.size(); i += 2) {
+      const std::string& k = argv[i];
       if (k.rfind("--", 0) != 0) throw std::runtime_error("bad argument " + k);
-      std::string v = argv[i + 1];
+      const std::string& v = argv[i + 1];
       if (k == "--option") {
         auto eq = v.find('=');
         a.options[v.substr(0, eq)] = eq == std::string::npos ? "" : v.substr(eq + 1);
@@ -193,7 +196,7 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   t = now_s();
   while ((int)w.size() < a.i("warmup-max") && (now_s() - t < a.d("warmup-s") || (int)w.size() < a.i("warmup-min"))) {
     w.push_back(timed_call(nullptr));
-    if ((int)w.size() >= std::max(a.i("warmup-min"), 10)) {  // second half's median within 2% of the first's
+    if ((int)w.size() >= std::max(a.i("warmup-min"), 6)) {  // second half's median within 2% of the first's
       const auto mid = w.begin() + w.size() / 2;
       double last = median_of({mid, w.end()}), prev = median_of({w.begin(), mid});
       if (std::abs(last - prev) <= 0.02 * prev) { stable = true; break; }
@@ -294,15 +297,43 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   return 0;
 }
 
-inline int run_child(int argc, char** argv, const RungFactory& factory) {
+// One cell's contract: its result file, or an `@@error` line with the exception's words.
+inline bool run_one(const std::vector<std::string>& argv, const RungFactory& factory) {
   try {
-    return run_child_impl(Args::parse(argc, argv), factory);
+    return run_child_impl(Args::parse(argv), factory) == 0;
   } catch (const std::exception& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     std::cout << "@@error " << msg << std::endl;
+    return false;
+  }
+}
+
+// `--cells FILE`: a JSON list of single-cell command lines, measured in turn in this process, each announced with
+// `@@cell I`; a failing cell reports `@@error` and the next one runs (harness/worker.py main does the same).
+// Otherwise the command line is one cell's.
+inline int run_child(int argc, char** argv, const RungFactory& factory) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.size() != 2 || args[0] != "--cells") return run_one(args, factory) ? 0 : 1;
+  std::vector<std::vector<std::string>> jobs;
+  try {
+    std::ifstream f(args[1]);
+    if (!f) throw std::runtime_error("cannot open " + args[1]);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    for (const Json& job : Json::parse(text).arr) {
+      jobs.emplace_back();
+      for (const Json& word : job.arr) jobs.back().push_back(word.str);
+    }
+  } catch (const std::exception& e) {
+    std::cout << "@@error --cells " << args[1] << ": " << e.what() << std::endl;
     return 1;
   }
+  bool ok = true;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    std::cout << "@@cell " << i << std::endl;
+    ok &= run_one(jobs[i], factory);
+  }
+  return ok ? 0 : 1;
 }
 
 }  // namespace ladder
