@@ -415,7 +415,7 @@ def cmd_ladder(args) -> int:
                           "mislabelled: give another --out")
         meta = old
     else:
-        run.write_weights()
+        run.write_weights(args.task)
         if device == "cuda":
             with console.status("measuring the GPU's matmul peak (cuBLAS)"):
                 peak_file = run.path / "peak.json"
@@ -429,7 +429,7 @@ def cmd_ladder(args) -> int:
                     return 1
                 meta["peak_tflops"]["measured"] = json.loads(peak_file.read_text())["tflops"]
         meta_path.write_text(json.dumps(meta, indent=1))
-    run.write_weights()
+    run.write_weights(args.task)
 
     done = {} if args.rerun else run.done()
     todo = [c for c in cells if c.identity not in done]

@@ -35,6 +35,22 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+def zero_init_residual(model: torch.nn.Module) -> torch.nn.Module:
+    """Each residual branch's last BatchNorm scale set to 0, as torchvision's `zero_init_residual=True` does (the
+    usual ResNet training init): every block starts as its shortcut. What the training task starts from: from
+    the ladder's random weights, a deep BatchNorm network's gradients are chaotic (docs/notes/training-parity.md).
+    Models other than torchvision's ResNets are left as they are."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Bottleneck):
+                m.bn3.weight.zero_()
+            elif isinstance(m, BasicBlock):
+                m.bn2.weight.zero_()
+    return model
+
+
 def weights_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The contract's weights: the state dict in fp32, without the integer `num_batches_tracked` counters."""
     return {k: v.detach().float().contiguous() for k, v in model.state_dict().items()

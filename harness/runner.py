@@ -184,11 +184,21 @@ class RunDir:
         self._lock.write(str(os.getpid()))
         self._lock.flush()
 
-    def write_weights(self) -> None:
+    def weights_for(self, task: str) -> Path:
+        """The weights a cell starts from: the run's, or for training the run's with residual branches
+        zero-initialised (harness.model.zero_init_residual)."""
+        return self.weights if task == "infer" else self.path / f"{self.model}.train-weights.safetensors"
+
+    def write_weights(self, task: str = "infer") -> None:
         if not self.weights.exists():
             tmp = self.weights.with_suffix(f".{os.getpid()}.tmp")
             model_io.write_weights(model_io.build_model(self.model), tmp)
             tmp.rename(self.weights)
+        path = self.weights_for(task)
+        if not path.exists():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            model_io.write_weights(model_io.zero_init_residual(model_io.load_model(self.model, self.weights)), tmp)
+            tmp.rename(path)
 
     def input(self, batch: int, res: int) -> Path:
         p = self.path / "inputs" / f"b{batch}_r{res}.safetensors"
@@ -208,7 +218,7 @@ class RunDir:
         p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}_{self.device}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
-            proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights),
+            proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights_for(task)),
                               str(self.input(batch, res)), str(p), self.device, task], cwd=REPO, env=child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
@@ -494,7 +504,7 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
     jobs, files_of = [], []
     for i, cell in enumerate(cells):
         cdir = cell_dir(run, cell)
-        files = {"weights": run.weights, "input": run.input(cell.batch, cell.res),
+        files = {"weights": run.weights_for(cell.task), "input": run.input(cell.batch, cell.res),
                  "output": cdir / "output.safetensors", "result": cdir / "result.json"}
         for p in (files["output"], files["result"]):
             p.unlink(missing_ok=True)
@@ -514,7 +524,8 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
                 try:
                     opts = ctx.prepared.get(cell.key, {}).get("options")
                     if opts is None:
-                        opts = tier.prepare(cell, run.weights, cell_dir(run, cell), run.cache(tier.name))
+                        opts = tier.prepare(cell, run.weights_for(cell.task), cell_dir(run, cell),
+                                            run.cache(tier.name))
                 except Exception:
                     if i == 0:
                         raise
@@ -644,7 +655,7 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     if cell.task == "train":
         from safetensors.torch import load_file
 
-        parity = train.compare(load_file(files_out), load_file(ref), load_file(ctx.run.weights), cell.dtype)
+        parity = train.compare(load_file(files_out), load_file(ref), load_file(ctx.run.weights_for(cell.task)), cell.dtype)
     else:
         parity = compare(model_io.read_tensor(files_out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)
     record["wall_s"] = wall_s
@@ -751,7 +762,8 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
             t = time.perf_counter()
             try:
                 opts, beside = counted(f"preparing {cell.label} b{cell.batch} {cell.dtype}",
-                                       lambda: tier.prepare(cell, ctx.run.weights, cell_dir(ctx.run, cell),
+                                       lambda: tier.prepare(cell, ctx.run.weights_for(cell.task),
+                                                            cell_dir(ctx.run, cell),
                                                             ctx.run.cache(tier.name)))
                 ctx.prepared[cell.key] = {"options": opts, "facts": {"prepare_s": time.perf_counter() - t,
                                                                      "concurrent_jobs": beside}}
@@ -767,7 +779,7 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
         argvs = []
         for c in cells:
             d = cell_dir(ctx.run, c)
-            files = {"weights": ctx.run.weights, "input": ctx.run.input(c.batch, c.res),
+            files = {"weights": ctx.run.weights_for(c.task), "input": ctx.run.input(c.batch, c.res),
                      "output": d / "warm-output.safetensors", "result": d / "warm.json.result"}
             argvs.append(contract_argv([], c, files, ctx.protocol, {"build-only": "1", "cache-dir": str(cache),
                                                                     "tunings": str(tunings or "")}))

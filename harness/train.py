@@ -10,7 +10,11 @@ weights the usual 0.1 x batch / 256 is chaotic: on the H100 at ResNet-50 batch 2
 (the same step, rounded differently) were 40% apart in conv1's weights after 3 steps (docs/notes/training-parity.md).
 train-to-accuracy, which trains for real, uses that usual rate.
 
-Parity: from the run's weights, K_STEPS steps on the cell's input, each rung against eager fp32 (TF32 off): the
+Training starts from the run's weights with each residual branch zero-initialised (harness.model.zero_init_residual,
+the usual ResNet training init): from the random weights themselves, even eager fp32 in NHWC and in NCHW disagree on
+the first gradient (docs/notes/training-parity.md).
+
+Parity: from those weights, K_STEPS steps on the cell's input, each rung against eager fp32 (TF32 off): the
 loss of each step, the weights' update (the K steps' change, which a small rate keeps small next to the weights),
 the running statistics."""
 from __future__ import annotations
