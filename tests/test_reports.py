@@ -71,8 +71,8 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
     doc = json.loads(a.read_text())
     for r in doc["results"]:
         if r["status"] == "ok":
-            r["latency_samples_ms"] = [v * 1.3 for v in r["latency_samples_ms"]]
-            r["latency_ms"]["median"] *= 1.3
+            r["latency_samples_ms"] = [v * 2 for v in r["latency_samples_ms"]]
+            r["latency_ms"]["median"] *= 2
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps(doc))
     worse = harness("compare", str(a), str(slow), "--threshold", "3%")
