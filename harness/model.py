@@ -16,8 +16,15 @@ def check_model(name: str) -> None:
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """torchvision's `name` with deterministic weights. Batch-norm statistics and affine terms are randomised
-    too (torchvision leaves them at 0/1), so a rung that folds or skips batch-norm wrongly fails parity."""
+    """torchvision's `name` with deterministic weights that make parity meaningful. torchvision leaves batch-norm
+    at identity (statistics 0/1, affine 1/0), and a randomly initialised deep network maps every input to nearly
+    the same logits: ResNet-50's outputs for two different inputs were 1.5% apart, inside the tf32 and bf16
+    tolerances, so a rung that read its input wrongly passed (docs/notes/parity-weights.md). Hence:
+    - batch-norm affine terms are random, so that a rung that folds or skips batch-norm wrongly fails parity;
+    - each residual branch's last batch-norm scale is small (0.1-0.3, as SkipInit and Fixup damp it), so that
+      the deep network is not chaotic: rounding (bf16) moves the logits far less than another input does;
+    - batch-norm statistics are those the network measures on seeded N(0,1) inputs (one pass in training mode),
+      so that each batch-norm normalises what it meets and the logits depend on the input."""
     import torchvision
 
     check_model(name)
@@ -30,8 +37,31 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
                 n = m.num_features
                 m.weight.copy_(torch.empty(n).uniform_(0.5, 1.5, generator=g))
                 m.bias.copy_(torch.empty(n).normal_(0.0, 0.1, generator=g))
-                m.running_mean.copy_(torch.empty(n).normal_(0.0, 0.1, generator=g))
-                m.running_var.copy_(torch.empty(n).uniform_(0.5, 2.0, generator=g))
+        for bn in _residual_branch_ends(model):
+            bn.weight.copy_(torch.empty(bn.num_features).uniform_(0.1, 0.3, generator=g))
+    return _calibrate_batch_norm(model, g)
+
+
+def _residual_branch_ends(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The last batch-norm of each residual branch of torchvision's ResNets (none for other models)."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    return [m.bn3 if isinstance(m, Bottleneck) else m.bn2 for m in model.modules()
+            if isinstance(m, (BasicBlock, Bottleneck))]
+
+
+def _calibrate_batch_norm(model: torch.nn.Module, g: torch.Generator, batch: int = 8, res: int = 224) -> torch.nn.Module:
+    """Batch-norm running statistics set to those of one training-mode pass over seeded N(0,1) inputs."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one pass, exactly that batch's statistics
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(batch, 3, res, res, generator=g))
+    for m in norms:
+        m.momentum = 0.1  # torchvision's default, for training cells
+        m.num_batches_tracked.zero_()
     return model.eval()
 
 
@@ -40,14 +70,9 @@ def zero_init_residual(model: torch.nn.Module) -> torch.nn.Module:
     usual ResNet training init): every block starts as its shortcut. What the training task starts from: from
     the ladder's random weights, a deep BatchNorm network's gradients are chaotic (docs/notes/training-parity.md).
     Models other than torchvision's ResNets are left as they are."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, Bottleneck):
-                m.bn3.weight.zero_()
-            elif isinstance(m, BasicBlock):
-                m.bn2.weight.zero_()
+        for bn in _residual_branch_ends(model):
+            bn.weight.zero_()
     return model
 
 

@@ -131,3 +131,22 @@ def test_failure_status_names_an_allocator_refusal_oom():
         "oom", "killed by SIGKILL from the kernel's OOM killer (cgroup memory.events oom_kill grew)")
     assert failure_status(-9, None, "")[0] == "crashed"
     assert failure_status(1, "RuntimeError: deliberate", "")[0] == "error"
+
+
+@pytest.mark.parametrize("model,res", [("resnet50", 224), ("resnet18", 64)])
+def test_parity_on_the_ladder_weights_tells_another_input_from_rounding(model, res):
+    """With the run's weights, the logits depend on the input more than on the dtype's rounding: a rung that
+    computed on another input (a misread layout, a stale buffer) fails at every dtype, while the network run
+    in bf16 passes. With torchvision's identity batch-norm, ResNet-50's logits for two inputs were 1.5% apart,
+    inside the tf32 and bf16 tolerances."""
+    from harness.model import build_model, make_input
+
+    net = build_model(model)
+    x, other = make_input(2, res), make_input(2, res, seed=1)
+    with torch.no_grad():
+        ref, wrong = net(x), net(other)
+        bf16 = net.to(torch.bfloat16)(x.to(torch.bfloat16)).float()
+    for dtype in TOLERANCES:
+        assert not compare(wrong, ref, dtype)["ok"], dtype
+    verdict = compare(bf16, ref, "bf16")
+    assert verdict["ok"] and verdict["rel_err"] < TOLERANCES["bf16"]["rel_err"] / 2, verdict

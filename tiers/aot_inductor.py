@@ -7,7 +7,8 @@ torch::inductor::AOTIModelPackageLoader, with no Python in the process. The depl
 build_stats: export_s, aot_compile_s and package_bytes as measured when the package was built (the prepare stage
 builds it; `cached` says whether the cell found it built), package_load_s (the load in a fresh process: the
 deployment's cold start; in Python its first call also imports Inductor's runtime).
-Option `--option aot-inductor:mode=default|max-autotune` (the same for the C++ rung)."""
+Option `--option aot-inductor:mode=default|max-autotune` (the same for the C++ rung). A CUDA package skips
+Inductor's CPU-ISA probes, which it has no use for (tiers/aot_inductor_export.py `compile_configs`)."""
 from __future__ import annotations
 
 import json

@@ -70,10 +70,12 @@ def package(model: torch.nn.Module, example: torch.Tensor, cell: Cell, cache: Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:  # parallel jobs wanting one package: one builds, the rest wait
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return path, {**facts, **_build(placed, example, path, mode)}
+        fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
+        return path, {**facts, **_build(placed, example.contiguous(memory_format=fmt), fmt, path, mode)}
 
 
-def _build(placed: torch.nn.Module, example: torch.Tensor, path: Path, mode: str) -> dict[str, Any]:
+def _build(placed: torch.nn.Module, example: torch.Tensor, fmt: torch.memory_format, path: Path,
+           mode: str) -> dict[str, Any]:
     """Export and compile unless the package exists; either way its costs as measured when it was built (kept
     beside it), so every cell that loads it reports them."""
     costs = path.with_suffix(".json")
@@ -82,18 +84,33 @@ def _build(placed: torch.nn.Module, example: torch.Tensor, path: Path, mode: str
     t = time.perf_counter()
     with torch.inference_mode(False), torch.no_grad():  # export traces outside inference mode
         batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        # An example of batch 1 would specialise the dimension (export treats sizes 0 and 1 as constants)
-        sample = example.repeat(2, 1, 1, 1) if example.shape[0] == 1 else example.clone()
+        # An example of batch 1 would specialise the dimension (export treats sizes 0 and 1 as constants). The
+        # sample keeps the cell's layout: a package assumes its inputs' strides are the sample's, unchecked (a
+        # channels-last input given to a package traced on NCHW computes on a scrambled image).
+        sample = torch.cat([example, example]) if example.shape[0] == 1 else example.clone()
+        sample = sample.contiguous(memory_format=fmt)
         program = torch.export.export(placed, (sample,), dynamic_shapes=({0: batch},))
     export_s = time.perf_counter() - t
     t = time.perf_counter()
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                             inductor_configs={"max_autotune": mode == "max-autotune"})
-    facts = {"export_s": export_s, "aot_compile_s": time.perf_counter() - t, "package_bytes": tmp.stat().st_size}
+    configs = compile_configs(mode, example.device.type)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
+    facts = {"export_s": export_s, "aot_compile_s": time.perf_counter() - t, "package_bytes": tmp.stat().st_size,
+             "inductor_configs": configs}
     costs.write_text(json.dumps(facts))
     tmp.replace(path)  # atomically: a concurrent job never loads half a package
     return {"cached": False, **facts}
+
+
+def compile_configs(mode: str, device: str) -> dict[str, Any]:
+    """Inductor's settings for the package. A CUDA package has no CPU kernels to vectorise, so it skips Inductor's
+    CPU-ISA probes (each a C++ build and a fresh Python process: about 60 s of a first compile on the H100) and
+    the precompiled header; a CPU package keeps both. Settings this torch lacks are left out."""
+    wanted: dict[str, Any] = {"max_autotune": mode == "max-autotune"}
+    if device == "cuda":
+        wanted |= {"cpp.vec_isa_ok": False, "aot_inductor.precompile_headers": False}
+    known = torch._inductor.config.get_config_copy()
+    return {k: v for k, v in wanted.items() if k in known}
 
 
 def main() -> None:
