@@ -649,11 +649,15 @@ def cmd_micro(args) -> int:
         print(f"{args.tier} micro needs the GPU: {reason}", file=sys.stderr)
         return 2
     rows = tier.micro(args.batch, args.res, args.dtype, args.layout == "nhwc")
-    table = Table(title=f"{args.tier}: per-layer microbenchmark, batch {args.batch}, res {args.res}, {args.dtype}")
-    for c in rows[0]:
+    # The terminal shows each layer's name and its timings; --json and --markdown keep every column.
+    cols = report.columns(rows)
+    shown = cols[:1] + [c for c in cols if c.endswith(("_ms", "tflops"))]
+    table = Table(title=f"{args.tier}: per-layer microbenchmark, batch {args.batch}, res {args.res}, {args.dtype}",
+                  caption="every column: --json, --markdown")
+    for c in shown:
         table.add_column(c, overflow="fold")
     for r in rows:
-        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()])
+        table.add_row(*[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown])
     Console().print(table)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment("cuda"), "tier": args.tier, "batch": args.batch,

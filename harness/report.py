@@ -182,17 +182,22 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
     return out
 
 
+def columns(table: list[dict[str, Any]]) -> list[str]:
+    """Every key of the rows, in the order of first appearance (a row may lack some)."""
+    return list(dict.fromkeys(k for row in table for k in row))
+
+
 def markdown_table(table: list[dict[str, Any]]) -> list[str]:
-    """Rows of dicts (same keys) as markdown lines; floats with three decimals."""
+    """Rows of dicts as markdown lines (a key a row lacks: empty); floats with three decimals."""
     if not table:
         return []
-    cols = list(table[0])
+    cols = columns(table)
 
     def cell(v: Any) -> str:
         return (f"{v:.3f}" if isinstance(v, float) else str(v)).replace("|", "/")
 
     return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            + ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in table])
+            + ["| " + " | ".join(cell(row.get(c, "")) for c in cols) + " |" for row in table])
 
 
 def host_cpu_line(host: dict) -> str:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import FAST, REPO
-from harness import compare
+from harness import compare, report
 
 ENV80 = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
 
@@ -108,3 +108,13 @@ def test_tiers_fits_80_columns():
     table = proc.stdout.split("Why not:")[0]
     assert max(len(line) for line in table.splitlines()) <= 80
     assert "cudnn" in table and "Why not:" in proc.stdout
+
+
+def test_markdown_table_takes_every_key_of_rows_that_differ():
+    # The cuDNN microbenchmark's rows differ: only an unfused layer says why it is unfused.
+    rows = [{"layer": "conv1", "fused": False, "unfused_reason": "faster unfused", "median_ms": 0.3066},
+            {"layer": "conv2", "fused": True, "median_ms": 0.1}]
+    lines = report.markdown_table(rows)
+    assert lines[0] == "| layer | fused | unfused_reason | median_ms |"
+    assert lines[2] == "| conv1 | False | faster unfused | 0.307 |"
+    assert lines[3] == "| conv2 | True |  | 0.100 |"
