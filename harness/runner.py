@@ -790,9 +790,6 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
         (proc, beside) = counted(f"warming {tier.name} {cells[0].dtype} caches", lambda: procs.run(
             [sys.executable, "-m", "harness.worker", "--cells", str(listing)], cwd=REPO, env=env,
             capture_output=True, text=True, timeout=ctx.protocol.timeout_s * len(cells)))
-        for pattern in tier.timed_choices:
-            for f in cache.glob(pattern):
-                f.unlink()
         for i, c in enumerate(cells):
             result = Path(argvs[i][argvs[i].index("--result") + 1])
             if result.exists():

@@ -105,9 +105,6 @@ class Tier:
     # Whether the prepare stage may fill those caches with build-only processes running side by side (no timing
     # goes into filling them; a rung that autotunes while building may not).
     warm_in_prepare: bool = False
-    # Files in those caches (globs under the cache directory) that record choices made by timing at run time: the
-    # warm pass times beside other jobs, so the runner deletes them after it and the measured process times alone.
-    timed_choices: tuple[str, ...] = ()
     # Whether one built rung takes another batch size (the 'hot' start: a new shape in the same process).
     batch_change: bool = False
     # Why the rung cannot run `--task train` (None: it trains; a PythonTier then implements build_train).

@@ -25,10 +25,6 @@ class Compile(PythonTier):
     options = {"compile-mode": MODES}
     caches = ("inductor", "triton")
     warm_in_prepare = True
-    # Inductor benchmarks its Triton kernels' candidate configs at their first call and keeps the winner beside
-    # the kernel; the prepare stage's winners were timed beside other GPU jobs (bf16 batch 256 ran 3.6% slower
-    # than with a fresh cache on the H100).
-    timed_choices = ("inductor/**/*.best_config",)
     batch_change = True
 
     cannot_train = None
