@@ -22,10 +22,23 @@ def test_both_rungs_match_eager_from_one_package_with_a_dynamic_batch(tmp_path):
         assert r["parity"]["ok"] and r["parity"]["rel_err"] < 1e-5
         stats = r["build_stats"]
         assert stats["export_s"] > 0 and stats["aot_compile_s"] > 0 and stats["package_bytes"] > 40e6
-        assert stats["package_load_s"] > 0
+        assert stats["package_load_s"] > 0 and stats["batch_dim"] == "dynamic"
     packages = list((tmp_path / "cache" / "aot-inductor").glob("*.pt2"))
     assert len(packages) == 1  # one package: every batch size, both rungs
     assert {r["build_stats"]["package"] for r in recs} == {packages[0].name}
+
+
+def test_static_packages_one_per_batch_size_match_eager(tmp_path):
+    proc = ladder(tmp_path, "--tiers", "aot-inductor,aot-inductor-cpp", "--model", "resnet18", "--batch", "1,3",
+                  "--res", "32", "--option", "aot-inductor:batch-dim=static",
+                  "--option", "aot-inductor-cpp:batch-dim=static")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(tmp_path)
+    assert len(recs) == 4
+    for r in recs:
+        assert r["status"] == "ok" and r["parity"]["rel_err"] < 1e-5, (r["label"], r["reason"])
+        assert r["build_stats"]["batch_dim"] == "static"
+    assert len(list((tmp_path / "cache" / "aot-inductor").glob("*.pt2"))) == 2  # batch 1 and batch 3
 
 
 def test_package_key_follows_what_the_package_bakes_in():
@@ -35,8 +48,10 @@ def test_package_key_follows_what_the_package_bakes_in():
     key = package_key(digest, cell)
     assert package_key(digest, Cell(tier="aot-inductor", model="resnet18", batch=64, device="cpu")) == key
     for other in (dict(dtype="bf16"), dict(channels_last=True), dict(device="cuda"),
-                  dict(options=(("mode", "max-autotune"),))):
+                  dict(options=(("mode", "max-autotune"),)), dict(options=(("batch-dim", "static"),))):
         assert package_key(digest, Cell(**{**cell.__dict__, **other})) != key, other
+    static = Cell(**{**cell.__dict__, "options": (("batch-dim", "static"),)})  # one package per batch size
+    assert package_key(digest, static) != package_key(digest, Cell(**{**static.__dict__, "batch": 64}))
     with torch.no_grad():
         model.fc.bias.add_(1e-3)
     assert package_key(weights_digest(model), cell) != key

@@ -7,7 +7,8 @@ torch::inductor::AOTIModelPackageLoader, with no Python in the process. The depl
 build_stats: export_s, aot_compile_s and package_bytes as measured when the package was built (the prepare stage
 builds it; `cached` says whether the cell found it built), package_load_s (the load in a fresh process: the
 deployment's cold start; in Python its first call also imports Inductor's runtime).
-Option `--option aot-inductor:mode=default|max-autotune` (the same for the C++ rung). A CUDA package skips
+Options `--option aot-inductor:mode=default|max-autotune` and `batch-dim=dynamic|static` (the same for the C++
+rung). A CUDA package skips
 Inductor's CPU-ISA probes, which it has no use for (tiers/aot_inductor_export.py `compile_configs`)."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tiers.aot_inductor_export import MODES, missing_api, package
+from tiers.aot_inductor_export import BATCH_DIMS, MODES, batch_dim, missing_api, package
 from tiers.base import Built, Cell, PythonTier
 from tiers.libtorch import LibTorch, export_process
 
@@ -32,10 +33,10 @@ PYTHON_LOADER_CRASHES_ON_CUDA = ("2.11.0+cu130",)
 class AotInductor(PythonTier):
     name = "aot-inductor"
     summary = "torch.export (dynamic batch) + AOTInductor .pt2 package, loaded with aoti_load_package from Python"
-    options = {"mode": MODES}
+    options = {"mode": MODES, "batch-dim": BATCH_DIMS}
     caches = ("aot-inductor",)  # the packages, under the run's cache directory
     warm_in_prepare = True  # the prepare stage builds the packages; a measured cell loads one
-    batch_change = True  # one package serves every batch size
+    batch_change = True  # a dynamic-batch package serves every batch size (see hot_start for a static one)
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
 
     def availability(self, device: str) -> str | None:
@@ -56,12 +57,17 @@ class AotInductor(PythonTier):
         facts["package_load_s"] = time.perf_counter() - t
         return Built(forward=runner, stats=facts)
 
+    def hot_start(self, built, example, cell):
+        if batch_dim(cell) == "static":
+            return {"batch_change": None, "reason": f"a static package runs batch {cell.batch} only"}
+        return super().hot_start(built, example, cell)
+
 
 class AotInductorCpp(LibTorch):
     name = "aot-inductor-cpp"
     summary = "the aot-inductor rung's .pt2 package, loaded with AOTIModelPackageLoader and run from C++; no Python"
     models = None
-    options = {"mode": MODES}
+    options = {"mode": MODES, "batch-dim": BATCH_DIMS}
     cuda_graph = False
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
     target = "ladder_aoti_cpp"

@@ -3,10 +3,11 @@ by AOTIModelPackageLoader in C++): one recipe for both.
 
 `package(model, example, cell)`: torch.export.export of the model on the cell's device, dtype and layout, with the
 batch dimension dynamic (one package serves every batch size, as a deployed model meets them; Inductor then
-compiles kernels for a symbolic batch), then torch._inductor.aoti_compile_and_package to a `.pt2` file. Packages are
-cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the weights' digest, the model, dtype,
-layout, device, mode and torch version; a hit costs neither export nor compile. For `aot-inductor-cpp` the parent
-runs `python -m tiers.aot_inductor_export --cell JSON --weights W --cache DIR` in a process of its own, as
+compiles kernels for a symbolic batch) or, with option batch-dim=static, one package per batch size (as
+torch.compile specialises its graphs), then torch._inductor.aoti_compile_and_package to a `.pt2` file. Packages
+are cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the weights' digest, the model,
+dtype, layout, device, mode, torch version and (if static) batch; a hit costs neither export nor compile. For
+`aot-inductor-cpp` the parent runs `python -m tiers.aot_inductor_export --cell JSON --weights W --cache DIR` in a process of its own, as
 torchscript-cpp's export does."""
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch
 from tiers.base import Cell, place_model, zero_example
 
 MODES = ("default", "max-autotune")
-MAX_BATCH = 4096  # the dynamic batch dimension's upper bound
+BATCH_DIMS = ("dynamic", "static")  # one package for every batch size, or one per batch size (as compile's graphs)
+MAX_BATCH = 4096  # the dynamic batch dimension's upper bound (1..MAX_BATCH)
 
 
 def missing_api() -> str | None:
@@ -49,10 +51,18 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def batch_dim(cell: Cell) -> str:
+    dim = cell.option("batch-dim", "dynamic")
+    if dim not in BATCH_DIMS:
+        raise ValueError(f"aot-inductor batch-dim {dim!r}; valid: {', '.join(BATCH_DIMS)}")
+    return dim
+
+
 def package_key(digest: str, cell: Cell) -> str:
     mode = cell.option("mode", "default")
+    shapes = f"batch {cell.batch}" if batch_dim(cell) == "static" else "dynamic batch"
     parts = [digest, cell.model, cell.dtype, "nhwc" if cell.channels_last else "nchw", cell.device, mode,
-             torch.__version__]
+             torch.__version__, shapes]
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
@@ -66,16 +76,17 @@ def package(model: torch.nn.Module, example: torch.Tensor, cell: Cell, cache: Pa
     with torch.inference_mode(False):  # the worker builds under inference mode, whose tensors export refuses
         placed = place_model(copy.deepcopy(model), cell).eval()
     path = Path(cache) / f"{cell.model}-{package_key(weights_digest(placed), cell)}.pt2"
-    facts: dict[str, Any] = {"mode": mode, "dynamic_batch": f"1..{MAX_BATCH}", "package": path.name}
+    static = batch_dim(cell) == "static"
+    facts: dict[str, Any] = {"mode": mode, "batch_dim": batch_dim(cell), "package": path.name}
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:  # parallel jobs wanting one package: one builds, the rest wait
         fcntl.flock(lock, fcntl.LOCK_EX)
         fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
-        return path, {**facts, **_build(placed, example.contiguous(memory_format=fmt), fmt, path, mode)}
+        return path, {**facts, **_build(placed, example.contiguous(memory_format=fmt), fmt, path, mode, static)}
 
 
 def _build(placed: torch.nn.Module, example: torch.Tensor, fmt: torch.memory_format, path: Path,
-           mode: str) -> dict[str, Any]:
+           mode: str, static: bool) -> dict[str, Any]:
     """Export and compile unless the package exists; either way its costs as measured when it was built (kept
     beside it), so every cell that loads it reports them."""
     costs = path.with_suffix(".json")
@@ -83,13 +94,13 @@ def _build(placed: torch.nn.Module, example: torch.Tensor, fmt: torch.memory_for
         return {"cached": True, **json.loads(costs.read_text())}
     t = time.perf_counter()
     with torch.inference_mode(False), torch.no_grad():  # export traces outside inference mode
-        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        # An example of batch 1 would specialise the dimension (export treats sizes 0 and 1 as constants). The
-        # sample keeps the cell's layout: a package assumes its inputs' strides are the sample's, unchecked (a
-        # channels-last input given to a package traced on NCHW computes on a scrambled image).
-        sample = torch.cat([example, example]) if example.shape[0] == 1 else example.clone()
+        # A dynamic batch cannot be traced on batch 1 (export treats sizes 0 and 1 as constants). The sample keeps
+        # the cell's layout: a package assumes its inputs' strides are the sample's, unchecked (a channels-last
+        # input given to a package traced on NCHW computes on a scrambled image).
+        sample = example.clone() if static or example.shape[0] > 1 else torch.cat([example, example])
         sample = sample.contiguous(memory_format=fmt)
-        program = torch.export.export(placed, (sample,), dynamic_shapes=({0: batch},))
+        shapes = None if static else ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
+        program = torch.export.export(placed, (sample,), dynamic_shapes=shapes)
     export_s = time.perf_counter() - t
     t = time.perf_counter()
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")

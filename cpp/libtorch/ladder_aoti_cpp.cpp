@@ -21,6 +21,7 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap&, con
   stats["package_bytes"] = std::stoll(a.option("package-bytes", "0"));
   stats["cached"] = a.option("cached", "0") == "1";
   stats["mode"] = a.option("mode", "default");
+  stats["batch_dim"] = a.option("batch-dim", "dynamic");
   stats["package"] = path.substr(path.find_last_of('/') + 1);
   return std::make_unique<TorchRung>(a, input, stats, Mode::kInference, [&](const Config& cfg) -> Net {
     const double t = ladder::now_s();
