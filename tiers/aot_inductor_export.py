@@ -76,13 +76,13 @@ def package(model: torch.nn.Module, example: torch.Tensor, cell: Cell, cache: Pa
     with torch.inference_mode(False):  # the worker builds under inference mode, whose tensors export refuses
         placed = place_model(copy.deepcopy(model), cell).eval()
     path = Path(cache) / f"{cell.model}-{package_key(weights_digest(placed), cell)}.pt2"
-    static = batch_dim(cell) == "static"
-    facts: dict[str, Any] = {"mode": mode, "batch_dim": batch_dim(cell), "package": path.name}
+    dim = batch_dim(cell)
+    facts: dict[str, Any] = {"mode": mode, "batch_dim": dim, "package": path.name}
+    fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:  # parallel jobs wanting one package: one builds, the rest wait
         fcntl.flock(lock, fcntl.LOCK_EX)
-        fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
-        return path, {**facts, **_build(placed, example.contiguous(memory_format=fmt), fmt, path, mode, static)}
+        return path, {**facts, **_build(placed, example, fmt, path, mode, dim == "static")}
 
 
 def _build(placed: torch.nn.Module, example: torch.Tensor, fmt: torch.memory_format, path: Path,
