@@ -415,7 +415,6 @@ def cmd_ladder(args) -> int:
                           "mislabelled: give another --out")
         meta = old
     else:
-        run.write_weights(args.task)
         if device == "cuda":
             with console.status("measuring the GPU's matmul peak (cuBLAS)"):
                 peak_file = run.path / "peak.json"

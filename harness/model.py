@@ -50,7 +50,8 @@ def _residual_branch_ends(model: torch.nn.Module) -> list[torch.nn.Module]:
             if isinstance(m, (BasicBlock, Bottleneck))]
 
 
-def _calibrate_batch_norm(model: torch.nn.Module, g: torch.Generator, batch: int = 8, res: int = 224) -> torch.nn.Module:
+def _calibrate_batch_norm(model: torch.nn.Module, g: torch.Generator, batch: int = 8,
+                          res: int = 224) -> torch.nn.Module:
     """Batch-norm running statistics set to those of one training-mode pass over seeded N(0,1) inputs."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     for m in norms:

@@ -190,15 +190,14 @@ class RunDir:
         return self.weights if task == "infer" else self.path / f"{self.model}.train-weights.safetensors"
 
     def write_weights(self, task: str = "infer") -> None:
-        if not self.weights.exists():
-            tmp = self.weights.with_suffix(f".{os.getpid()}.tmp")
-            model_io.write_weights(model_io.build_model(self.model), tmp)
-            tmp.rename(self.weights)
-        path = self.weights_for(task)
-        if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            model_io.write_weights(model_io.zero_init_residual(model_io.load_model(self.model, self.weights)), tmp)
-            tmp.rename(path)
+        """The weights file(s) `task` needs, each written once (to a temporary name, then renamed)."""
+        for path, make in ((self.weights, lambda: model_io.build_model(self.model)),
+                           (self.weights_for(task),
+                            lambda: model_io.zero_init_residual(model_io.load_model(self.model, self.weights)))):
+            if not path.exists():
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                model_io.write_weights(make(), tmp)
+                tmp.rename(path)
 
     def input(self, batch: int, res: int) -> Path:
         p = self.path / "inputs" / f"b{batch}_r{res}.safetensors"
@@ -611,7 +610,8 @@ def run_process(ctx: Context, cells: list[Cell], on_record: Callable[[dict], Non
         wall_s = (min(ends) if ends else time.time()) - (began[0] if began else t_start)
         record["isolation"] = ctx.isolation
         record["process_position"] = i  # cells this process measured before this one
-        # Where the cell's wall time went, phase by phase ('start': process start and imports, or the step between cells)
+        # Where the cell's wall time went, phase by phase ('start': process start and imports, or the step since
+        # the previous cell)
         end = began[0] + wall_s if began else time.time()
         marks = ([("start", began[0])] if began else []) + state["phases"].get(i, []) + [("", end)]
         record["phase_s"] = {ph: round(t1 - t0, 3) for (ph, t0), (_, t1) in zip(marks, marks[1:]) if ph != "done"}
@@ -655,7 +655,8 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     if cell.task == "train":
         from safetensors.torch import load_file
 
-        parity = train.compare(load_file(files_out), load_file(ref), load_file(ctx.run.weights_for(cell.task)), cell.dtype)
+        start = load_file(ctx.run.weights_for(cell.task))
+        parity = train.compare(load_file(files_out), load_file(ref), start, cell.dtype)
     else:
         parity = compare(model_io.read_tensor(files_out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)
     record["wall_s"] = wall_s

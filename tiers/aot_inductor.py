@@ -36,7 +36,7 @@ class AotInductor(PythonTier):
     options = {"mode": MODES, "batch-dim": BATCH_DIMS}
     caches = ("aot-inductor",)  # the packages, under the run's cache directory
     warm_in_prepare = True  # the prepare stage builds the packages; a measured cell loads one
-    batch_change = True  # a dynamic-batch package serves every batch size (see hot_start for a static one)
+    batch_change = True  # a dynamic-batch package serves every batch size (a static one: changes_batch)
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
 
     def availability(self, device: str) -> str | None:
@@ -57,10 +57,8 @@ class AotInductor(PythonTier):
         facts["package_load_s"] = time.perf_counter() - t
         return Built(forward=runner, stats=facts)
 
-    def hot_start(self, built, example, cell):
-        if batch_dim(cell) == "static":
-            return {"batch_change": None, "reason": f"a static package runs batch {cell.batch} only"}
-        return super().hot_start(built, example, cell)
+    def changes_batch(self, cell):
+        return super().changes_batch(cell) and batch_dim(cell) == "dynamic"
 
 
 class AotInductorCpp(LibTorch):

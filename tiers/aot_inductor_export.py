@@ -7,8 +7,8 @@ compiles kernels for a symbolic batch) or, with option batch-dim=static, one pac
 torch.compile specialises its graphs), then torch._inductor.aoti_compile_and_package to a `.pt2` file. Packages
 are cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the weights' digest, the model,
 dtype, layout, device, mode, torch version and (if static) batch; a hit costs neither export nor compile. For
-`aot-inductor-cpp` the parent runs `python -m tiers.aot_inductor_export --cell JSON --weights W --cache DIR` in a process of its own, as
-torchscript-cpp's export does."""
+`aot-inductor-cpp` the parent runs `python -m tiers.aot_inductor_export --cell JSON --weights W --cache DIR` in a
+process of its own, as torchscript-cpp's export does."""
 from __future__ import annotations
 
 import argparse

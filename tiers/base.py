@@ -148,13 +148,17 @@ class PythonTier(Tier):
         learning rate (default harness.train.LEARNING_RATE)."""
         raise NotImplementedError
 
+    def changes_batch(self, cell: Cell) -> bool:
+        """Whether this cell's built rung takes another batch size (a CUDA graph replays one)."""
+        return self.batch_change and not cell.cuda_graph
+
     def hot_start(self, built: Built, example: Any, cell: Cell) -> dict[str, Any]:
         """The hot start: in the same process, the first call at a new batch size (batch + 1), synchronised."""
         import time
 
         import torch
 
-        if not self.batch_change or cell.cuda_graph:
+        if not self.changes_batch(cell):
             return {"batch_change": None, "reason": f"{cell.label} runs one fixed batch size"}
         bigger = torch.cat([example, example[:1]])
         t = time.perf_counter()
