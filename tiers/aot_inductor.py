@@ -7,8 +7,8 @@ torch::inductor::AOTIModelPackageLoader, with no Python in the process. The depl
 build_stats: export_s, aot_compile_s and package_bytes as measured when the package was built (the prepare stage
 builds it; `cached` says whether the cell found it built), package_load_s (the load in a fresh process: the
 deployment's cold start; in Python its first call also imports Inductor's runtime).
-Options `--option aot-inductor:mode=default|max-autotune` and `batch-dim=dynamic|static` (the same for the C++
-rung). A CUDA package skips
+Options `--option aot-inductor:mode=default|max-autotune`, `batch-dim=dynamic|static` and
+`runner=single-threaded|pooled` (the same for the C++ rung; tiers/aot_inductor_export.py). A CUDA package skips
 Inductor's CPU-ISA probes, which it has no use for (tiers/aot_inductor_export.py `compile_configs`)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tiers.aot_inductor_export import BATCH_DIMS, MODES, batch_dim, missing_api, package
+from tiers.aot_inductor_export import BATCH_DIMS, MODES, RUNNERS, batch_dim, missing_api, package, single_threaded
 from tiers.base import Built, Cell, PythonTier
 from tiers.libtorch import LibTorch, export_process
 
@@ -33,7 +33,7 @@ PYTHON_LOADER_CRASHES_ON_CUDA = ("2.11.0+cu130",)
 class AotInductor(PythonTier):
     name = "aot-inductor"
     summary = "torch.export (dynamic batch) + AOTInductor .pt2 package, loaded with aoti_load_package from Python"
-    options = {"mode": MODES, "batch-dim": BATCH_DIMS}
+    options = {"mode": MODES, "batch-dim": BATCH_DIMS, "runner": RUNNERS}
     caches = ("aot-inductor",)  # the packages, under the run's cache directory
     warm_in_prepare = True  # the prepare stage builds the packages; a measured cell loads one
     batch_change = True  # a dynamic-batch package serves every batch size (a static one: changes_batch)
@@ -53,8 +53,9 @@ class AotInductor(PythonTier):
         cache = Path(os.environ.get("LADDER_CACHE_DIR") or tempfile.mkdtemp(prefix="ladder-aoti-"))
         path, facts = package(model, example, cell, cache)
         t = time.perf_counter()
-        runner = torch._inductor.aoti_load_package(str(path))
+        runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=single_threaded(cell))
         facts["package_load_s"] = time.perf_counter() - t
+        facts["runner"] = cell.option("runner", RUNNERS[0])
         return Built(forward=runner, stats=facts)
 
     def changes_batch(self, cell):
@@ -65,7 +66,7 @@ class AotInductorCpp(LibTorch):
     name = "aot-inductor-cpp"
     summary = "the aot-inductor rung's .pt2 package, loaded with AOTIModelPackageLoader and run from C++; no Python"
     models = None
-    options = {"mode": MODES, "batch-dim": BATCH_DIMS}
+    options = {"mode": MODES, "batch-dim": BATCH_DIMS, "runner": RUNNERS}
     cuda_graph = False
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
     target = "ladder_aoti_cpp"
@@ -76,11 +77,17 @@ class AotInductorCpp(LibTorch):
     def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
         """The package, built (or found) in the Python rung's cache by a process of its own: both rungs load one
         package, and the parent keeps no CUDA context while the child is measured."""
+        from harness.runner import cache_env
+
         shared = Path(cache).parent / AotInductor.name
+        # Inductor's and Triton's caches in the run's cache directory, as the Python rung's: a package compiled
+        # here is compiled cold, whatever earlier runs left on the machine.
         facts = export_process("tiers.aot_inductor_export", "AOTInductor package", [
-            "--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--cache", str(shared)])
+            "--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--cache", str(shared)],
+            env=cache_env(shared, None))
         return {"pt2-path": facts["path"], "cached": str(int(facts["cached"])), "export-s": f"{facts['export_s']:.3f}",
-                "aot-compile-s": f"{facts['aot_compile_s']:.3f}", "package-bytes": str(facts["package_bytes"])}
+                "aot-compile-s": f"{facts['aot_compile_s']:.3f}", "package-bytes": str(facts["package_bytes"]),
+                "traced-batch": str(facts["traced_batch"])}
 
 
 TIERS = [AotInductor(), AotInductorCpp()]

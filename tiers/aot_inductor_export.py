@@ -3,12 +3,12 @@ by AOTIModelPackageLoader in C++): one recipe for both.
 
 `package(model, example, cell)`: torch.export.export of the model on the cell's device, dtype and layout, with the
 batch dimension dynamic (one package serves every batch size, as a deployed model meets them; Inductor then
-compiles kernels for a symbolic batch) or, with option batch-dim=static, one package per batch size (as
-torch.compile specialises its graphs), then torch._inductor.aoti_compile_and_package to a `.pt2` file. Packages
-are cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the weights' digest, the model,
-dtype, layout, device, mode, torch version and (if static) batch; a hit costs neither export nor compile. For
-`aot-inductor-cpp` the parent runs `python -m tiers.aot_inductor_export --cell JSON --weights W --cache DIR` in a
-process of its own, as torchscript-cpp's export does."""
+compiles kernels for a symbolic batch, tuned on batch TRACE_BATCH) or, with option batch-dim=static, one package
+per batch size (as torch.compile specialises its graphs), then torch._inductor.aoti_compile_and_package to a
+`.pt2` file. Packages are cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the
+weights' digest, the model, dtype, layout, device, mode, torch version and the batch it is traced on; a hit costs
+neither export nor compile. For `aot-inductor-cpp` the parent runs `python -m tiers.aot_inductor_export --cell
+JSON --weights W --cache DIR` in a process of its own, as torchscript-cpp's export does."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +27,16 @@ from tiers.base import Cell, place_model, zero_example
 
 MODES = ("default", "max-autotune")
 BATCH_DIMS = ("dynamic", "static")  # one package for every batch size, or one per batch size (as compile's graphs)
+# How the loader runs the package. single-threaded: each call goes straight to the model, as from the one thread
+# that calls it here. pooled: the loader's default, made for several serving threads: a call checks out one of a
+# pool of model instances (one here) and first waits for that instance's previous call to finish on the GPU, so
+# back-to-back calls cannot overlap the next call's launches with the previous call's kernels.
+RUNNERS = ("single-threaded", "pooled")
 MAX_BATCH = 4096  # the dynamic batch dimension's upper bound (1..MAX_BATCH)
+# The batch a dynamic-batch package is traced and tuned on: the ladder's largest default batch. Tuned on batch 2,
+# ResNet-50 bf16 ran batch 256 9% slower on the H100 (docs/notes/aoti-python-cuda-crash.md); batch-dim=static
+# tunes one package on each cell's own batch.
+TRACE_BATCH = 256
 
 
 def missing_api() -> str | None:
@@ -58,9 +67,16 @@ def batch_dim(cell: Cell) -> str:
     return dim
 
 
+def single_threaded(cell: Cell) -> bool:
+    runner = cell.option("runner", RUNNERS[0])
+    if runner not in RUNNERS:
+        raise ValueError(f"aot-inductor runner {runner!r}; valid: {', '.join(RUNNERS)}")
+    return runner == "single-threaded"
+
+
 def package_key(digest: str, cell: Cell) -> str:
     mode = cell.option("mode", "default")
-    shapes = f"batch {cell.batch}" if batch_dim(cell) == "static" else "dynamic batch"
+    shapes = f"batch {cell.batch}" if batch_dim(cell) == "static" else f"dynamic batch traced on {TRACE_BATCH}"
     parts = [digest, cell.model, cell.dtype, "nhwc" if cell.channels_last else "nchw", cell.device, mode,
              torch.__version__, shapes]
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
@@ -94,10 +110,11 @@ def _build(placed: torch.nn.Module, example: torch.Tensor, fmt: torch.memory_for
         return {"cached": True, **json.loads(costs.read_text())}
     t = time.perf_counter()
     with torch.inference_mode(False), torch.no_grad():  # export traces outside inference mode
-        # A dynamic batch cannot be traced on batch 1 (export treats sizes 0 and 1 as constants). The sample keeps
+        # A dynamic-batch package is traced on batch TRACE_BATCH whichever cell builds it: Inductor times each
+        # Triton kernel's launch configurations on the traced shape when it compiles the package. The sample keeps
         # the cell's layout: a package assumes its inputs' strides are the sample's, unchecked (a channels-last
         # input given to a package traced on NCHW computes on a scrambled image).
-        sample = example.clone() if static or example.shape[0] > 1 else torch.cat([example, example])
+        sample = example.clone() if static else example[:1].expand(TRACE_BATCH, *example.shape[1:])
         sample = sample.contiguous(memory_format=fmt)
         shapes = None if static else ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
         program = torch.export.export(placed, (sample,), dynamic_shapes=shapes)
@@ -107,7 +124,7 @@ def _build(placed: torch.nn.Module, example: torch.Tensor, fmt: torch.memory_for
     configs = compile_configs(mode, example.device.type)
     torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
     facts = {"export_s": export_s, "aot_compile_s": time.perf_counter() - t, "package_bytes": tmp.stat().st_size,
-             "inductor_configs": configs}
+             "traced_batch": sample.shape[0], "inductor_configs": configs}
     costs.write_text(json.dumps(facts))
     tmp.replace(path)  # atomically: a concurrent job never loads half a package
     return {"cached": False, **facts}

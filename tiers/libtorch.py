@@ -43,10 +43,10 @@ def _missing() -> str | None:
     return None
 
 
-def export_process(module: str, what: str, args: list[str]) -> dict:
+def export_process(module: str, what: str, args: list[str], env: dict[str, str] | None = None) -> dict:
     """Runs `python -m module args` (an export for a C++ rung) in a process of its own, so that the parent keeps no
     CUDA context while the child is measured; returns the JSON facts it prints on its last line."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     proc = procs.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))

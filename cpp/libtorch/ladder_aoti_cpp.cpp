@@ -19,13 +19,21 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap&, con
   stats["export_s"] = std::stod(a.option("export-s", "0"));
   stats["aot_compile_s"] = std::stod(a.option("aot-compile-s", "0"));
   stats["package_bytes"] = std::stoll(a.option("package-bytes", "0"));
+  stats["traced_batch"] = std::stoi(a.option("traced-batch", "0"));
   stats["cached"] = a.option("cached", "0") == "1";
   stats["mode"] = a.option("mode", "default");
   stats["batch_dim"] = a.option("batch-dim", "dynamic");
   stats["package"] = path.substr(path.find_last_of('/') + 1);
+  // tiers/aot_inductor_export.py RUNNERS: single-threaded, or the loader's default pool (each call waits for the
+  // pooled model's previous call to finish).
+  const std::string runner = a.option("runner", "single-threaded");
+  if (runner != "single-threaded" && runner != "pooled")
+    throw std::runtime_error("aot-inductor-cpp runner " + runner + "; valid: single-threaded, pooled");
+  stats["runner"] = runner;
   return std::make_unique<TorchRung>(a, input, stats, Mode::kInference, [&](const Config& cfg) -> Net {
     const double t = ladder::now_s();
-    auto loader = std::make_shared<torch::inductor::AOTIModelPackageLoader>(path);
+    auto loader = std::make_shared<torch::inductor::AOTIModelPackageLoader>(path, "model",
+                                                                             runner == "single-threaded");
     stats["package_load_s"] = ladder::now_s() - t;
     const bool gpu = cfg.device.is_cuda();
     return [loader, gpu](const torch::Tensor& x) {
