@@ -34,7 +34,7 @@ BATCH_DIMS = ("dynamic", "static")  # one package for every batch size, or one p
 RUNNERS = ("single-threaded", "pooled")
 MAX_BATCH = 4096  # the dynamic batch dimension's upper bound (1..MAX_BATCH)
 # The batch a dynamic-batch package is traced and tuned on: the ladder's largest default batch. Tuned on batch 2,
-# ResNet-50 bf16 ran batch 256 9% slower on the H100 (docs/notes/aoti-python-cuda-crash.md); batch-dim=static
+# ResNet-50 bf16 ran batch 256 9% slower on the H100 (docs/notes/aoti-trace-batch.md); batch-dim=static
 # tunes one package on each cell's own batch.
 TRACE_BATCH = 256
 
