@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tiers.aot_inductor_export import BATCH_DIMS, MODES, RUNNERS, batch_dim, missing_api, package, single_threaded
+from tiers.aot_inductor_export import OPTIONS, missing_api, option, package
 from tiers.base import Built, Cell, PythonTier
 from tiers.libtorch import LibTorch, export_process
 
@@ -33,7 +33,7 @@ PYTHON_LOADER_CRASHES_ON_CUDA = ("2.11.0+cu130",)
 class AotInductor(PythonTier):
     name = "aot-inductor"
     summary = "torch.export (dynamic batch) + AOTInductor .pt2 package, loaded with aoti_load_package from Python"
-    options = {"mode": MODES, "batch-dim": BATCH_DIMS, "runner": RUNNERS}
+    options = OPTIONS
     caches = ("aot-inductor",)  # the packages, under the run's cache directory
     warm_in_prepare = True  # the prepare stage builds the packages; a measured cell loads one
     batch_change = True  # a dynamic-batch package serves every batch size (a static one: changes_batch)
@@ -52,21 +52,21 @@ class AotInductor(PythonTier):
 
         cache = Path(os.environ.get("LADDER_CACHE_DIR") or tempfile.mkdtemp(prefix="ladder-aoti-"))
         path, facts = package(model, example, cell, cache)
+        facts["runner"] = option(cell, "runner")
         t = time.perf_counter()
-        runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=single_threaded(cell))
+        runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=facts["runner"] == "single-threaded")
         facts["package_load_s"] = time.perf_counter() - t
-        facts["runner"] = cell.option("runner", RUNNERS[0])
         return Built(forward=runner, stats=facts)
 
     def changes_batch(self, cell):
-        return super().changes_batch(cell) and batch_dim(cell) == "dynamic"
+        return super().changes_batch(cell) and option(cell, "batch-dim") == "dynamic"
 
 
 class AotInductorCpp(LibTorch):
     name = "aot-inductor-cpp"
     summary = "the aot-inductor rung's .pt2 package, loaded with AOTIModelPackageLoader and run from C++; no Python"
     models = None
-    options = {"mode": MODES, "batch-dim": BATCH_DIMS, "runner": RUNNERS}
+    options = OPTIONS
     cuda_graph = False
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
     target = "ladder_aoti_cpp"
@@ -77,7 +77,7 @@ class AotInductorCpp(LibTorch):
     def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
         """The package, built (or found) in the Python rung's cache by a process of its own: both rungs load one
         package, and the parent keeps no CUDA context while the child is measured."""
-        from harness.runner import cache_env
+        from harness.runner import cache_env  # here, in the parent: rung processes import this module too
 
         shared = Path(cache).parent / AotInductor.name
         # Inductor's and Triton's caches in the run's cache directory, as the Python rung's: a package compiled

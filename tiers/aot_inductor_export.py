@@ -25,13 +25,17 @@ import torch
 
 from tiers.base import Cell, place_model, zero_example
 
-MODES = ("default", "max-autotune")
-BATCH_DIMS = ("dynamic", "static")  # one package for every batch size, or one per batch size (as compile's graphs)
-# How the loader runs the package. single-threaded: each call goes straight to the model, as from the one thread
-# that calls it here. pooled: the loader's default, made for several serving threads: a call checks out one of a
-# pool of model instances (one here) and first waits for that instance's previous call to finish on the GPU, so
-# back-to-back calls cannot overlap the next call's launches with the previous call's kernels.
-RUNNERS = ("single-threaded", "pooled")
+# The rungs' options (`--option aot-inductor:KEY=VALUE`, the same for aot-inductor-cpp), each value's default first.
+OPTIONS = {
+    "mode": ("default", "max-autotune"),
+    # One package for every batch size, or one per batch size (as compile's graphs).
+    "batch-dim": ("dynamic", "static"),
+    # How the loader runs the package. single-threaded: each call goes straight to the model, as from the one
+    # thread that calls it here. pooled: the loader's default, made for several serving threads: a call checks out
+    # one of a pool of model instances (one here) and first waits for that instance's previous call to finish on
+    # the GPU, so back-to-back calls cannot overlap the next call's launches with the previous call's kernels.
+    "runner": ("single-threaded", "pooled"),
+}
 MAX_BATCH = 4096  # the dynamic batch dimension's upper bound (1..MAX_BATCH)
 # The batch a dynamic-batch package is traced and tuned on: the ladder's largest default batch. Tuned on batch 2,
 # ResNet-50 bf16 ran batch 256 9% slower on the H100 (docs/notes/aoti-trace-batch.md); batch-dim=static
@@ -60,25 +64,19 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def batch_dim(cell: Cell) -> str:
-    dim = cell.option("batch-dim", "dynamic")
-    if dim not in BATCH_DIMS:
-        raise ValueError(f"aot-inductor batch-dim {dim!r}; valid: {', '.join(BATCH_DIMS)}")
-    return dim
-
-
-def single_threaded(cell: Cell) -> bool:
-    runner = cell.option("runner", RUNNERS[0])
-    if runner not in RUNNERS:
-        raise ValueError(f"aot-inductor runner {runner!r}; valid: {', '.join(RUNNERS)}")
-    return runner == "single-threaded"
+def option(cell: Cell, key: str) -> str:
+    """The cell's value of one of OPTIONS (its default if unset)."""
+    value = cell.option(key, OPTIONS[key][0])
+    if value not in OPTIONS[key]:
+        raise ValueError(f"aot-inductor {key} {value!r}; valid: {', '.join(OPTIONS[key])}")
+    return value
 
 
 def package_key(digest: str, cell: Cell) -> str:
-    mode = cell.option("mode", "default")
-    shapes = f"batch {cell.batch}" if batch_dim(cell) == "static" else f"dynamic batch traced on {TRACE_BATCH}"
-    parts = [digest, cell.model, cell.dtype, "nhwc" if cell.channels_last else "nchw", cell.device, mode,
-             torch.__version__, shapes]
+    static = option(cell, "batch-dim") == "static"
+    shapes = f"batch {cell.batch}" if static else f"dynamic batch traced on {TRACE_BATCH}"
+    parts = [digest, cell.model, cell.dtype, "nhwc" if cell.channels_last else "nchw", cell.device,
+             option(cell, "mode"), torch.__version__, shapes]
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
@@ -86,13 +84,10 @@ def package(model: torch.nn.Module, example: torch.Tensor, cell: Cell, cache: Pa
     """The cell's package (built, or found in `cache`) and the deployment life cycle's facts: export and AOT
     compile time and package size (as measured when the package was built), and whether this call found it
     cached."""
-    mode = cell.option("mode", "default")
-    if mode not in MODES:
-        raise ValueError(f"aot-inductor mode {mode!r}; valid: {', '.join(MODES)}")
+    mode, dim = option(cell, "mode"), option(cell, "batch-dim")
     with torch.inference_mode(False):  # the worker builds under inference mode, whose tensors export refuses
         placed = place_model(copy.deepcopy(model), cell).eval()
     path = Path(cache) / f"{cell.model}-{package_key(weights_digest(placed), cell)}.pt2"
-    dim = batch_dim(cell)
     facts: dict[str, Any] = {"mode": mode, "batch_dim": dim, "package": path.name}
     fmt = torch.channels_last if cell.channels_last else torch.contiguous_format
     path.parent.mkdir(parents=True, exist_ok=True)
