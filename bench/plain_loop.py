@@ -17,7 +17,6 @@ import contextlib
 import gc
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,13 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.env import source_revision, utc_now  # noqa: E402
-from harness.model import build_model  # noqa: E402  (the same seeded network; the timing below is independent)
-from harness.worker import Clock, latency_pass, prepare_input, set_math_mode, timed_forward  # noqa: E402
+from core.env import source_revision, utc_now  # noqa: E402
+from core.model import build_model  # noqa: E402  (the same seeded network; the timing below is independent)
+from core.cell import Cell, Store  # noqa: E402
+from core.placement import set_math_mode, torch_dtype  # noqa: E402
+from core.stats import median  # noqa: E402
+from harness.worker import Clock, latency_pass, prepare_input, timed_forward  # noqa: E402
 from tiers import get_tier  # noqa: E402
-from tiers.base import Cell  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 AGREE = 0.05
 STARTED = utc_now()
 
@@ -71,7 +71,7 @@ def interleaved(tier: str, plain_fn, x: torch.Tensor, dtype: str, args) -> dict:
                 channels_last=args.channels_last)
     set_math_mode(dtype)
     example = prepare_input(torch.randn(x.shape), cell)
-    built = get_tier(tier).build(build_model(args.model).eval(), example, cell)
+    built = get_tier(tier).build(build_model(args.model).eval(), example, cell, Store())
     ladder_call = timed_forward(built.forward, example, Clock(built.stream or torch.cuda.current_stream()))
     time_forward(plain_fn, x, iters=1, min_time_s=0)  # both warmed up (and compiled) before the first block
     latency_pass(ladder_call, 50, 0, math.inf, 50, 0.0)  # exactly 50 calls
@@ -84,12 +84,12 @@ def interleaved(tier: str, plain_fn, x: torch.Tensor, dtype: str, args) -> dict:
                 with collector_off():
                     blocks[side].append(latency_pass(ladder_call, 1, args.interleave_s, args.interleave_s, 10**9, 0.0)[0])
     plain, ladder = sum(blocks["plain"], []), sum(blocks["ladder"], [])
-    median, ladder_median = statistics.median(plain), statistics.median(ladder)
+    plain_median, ladder_median = median(plain), median(ladder)
     # The method's own floor: the plain loop against itself, its odd blocks against its even ones.
-    even, odd = (statistics.median(sum(blocks["plain"][i::2], [])) for i in (0, 1))
-    return {"median_ms": median, "samples_ms": plain, "ladder_code_median_ms": ladder_median,
+    even, odd = (median(sum(blocks["plain"][i::2], [])) for i in (0, 1))
+    return {"median_ms": plain_median, "samples_ms": plain, "ladder_code_median_ms": ladder_median,
             "ladder_code_samples_ms": ladder, "block_lengths": {k: [len(b) for b in v] for k, v in blocks.items()},
-            "diff_interleaved": ladder_median / median - 1, "diff_plain_halves": odd / even - 1}
+            "diff_interleaved": ladder_median / plain_median - 1, "diff_plain_halves": odd / even - 1}
 
 
 def ladder_record(ladder: list[dict], row: dict, args) -> dict | None:
@@ -143,10 +143,10 @@ def main() -> None:
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     rows = []
     for dtype in args.dtype.split(","):
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-        model = build_model(args.model).to("cuda", DTYPES[dtype]).to(memory_format=fmt)
+        set_math_mode(dtype)
+        model = build_model(args.model).to("cuda", torch_dtype(dtype)).to(memory_format=fmt)
         for batch in map(int, args.batch.split(",")):
-            x = torch.randn(batch, 3, args.res, args.res, device="cuda", dtype=DTYPES[dtype]).to(memory_format=fmt)
+            x = torch.randn(batch, 3, args.res, args.res, device="cuda", dtype=torch_dtype(dtype)).to(memory_format=fmt)
             torch._dynamo.reset()  # one static compile per batch, as each ladder cell compiles in its own process
             compiled = torch.compile(model)
             with torch.inference_mode():
@@ -157,7 +157,7 @@ def main() -> None:
                         row = interleaved(tier, fn, x, dtype, args)
                     else:
                         samples = time_forward(fn, x, args.iters, args.min_time_s)
-                        row = {"median_ms": statistics.median(samples), "samples_ms": samples}
+                        row = {"median_ms": median(samples), "samples_ms": samples}
                     rows.append({"tier": tier, "batch": batch, "dtype": dtype, "iters": len(row["samples_ms"]), **row})
                     print({k: v for k, v in rows[-1].items() if k not in ("samples_ms", "ladder_code_samples_ms",
                                                                           "block_lengths")}, flush=True)

@@ -8,14 +8,26 @@ train/ and test/ (or val/) subfolders. Accuracy is always measured the same way,
 loaded with the rung's trained weights, so the curves differ only by the training."""
 from __future__ import annotations
 
+import copy
+import json
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torchvision
+from rich.console import Console
 
-from harness.train import learning_rate
-from tiers.base import Cell
+from core.cell import Cell, Store
+from core.env import default_device, environment
+from core.placement import memory_format, set_math_mode
+from core.train import learning_rate
+from harness.plots import accuracy_curves
+from harness.report import markdown_table
+from tiers import all_tiers
+from tiers.base import PythonTier
 
 DIGITS_SPLIT_SEED = 0
 
@@ -64,7 +76,7 @@ def image_folder(root: Path, res: int) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
              device: str) -> float:
-    """Top-1 test accuracy of the eager model in eval mode carrying `state` (harness.train.state_of's names)."""
+    """Top-1 test accuracy of the eager model in eval mode carrying `state` (core.train.state_of's names)."""
     model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()}, strict=False)
     model.to(device).eval()
     correct = 0
@@ -78,15 +90,12 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, epo
                on_epoch) -> dict:
     """One rung from `initial`'s weights: E epochs of its training step over shuffled batches (the same order for
     every rung), the test accuracy after each."""
-    import copy
-
     x_train, y_train, x_test, y_test = data
     model = copy.deepcopy(initial).train()
     example = x_train[: cell.batch].to(cell.device)
-    if cell.channels_last:
-        example = example.contiguous(memory_format=torch.channels_last)
+    example = example.contiguous(memory_format=memory_format(cell.channels_last))
     t = time.perf_counter()
-    built = tier.build_train(model, example, cell, lr=learning_rate(cell.batch))
+    built = tier.build_train(model, example, cell, Store(), lr=learning_rate(cell.batch))
     build_s = time.perf_counter() - t
     evaluator = copy.deepcopy(initial)
     order = torch.Generator().manual_seed(seed)
@@ -98,8 +107,7 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, epo
         for i in range(0, len(perm) - cell.batch + 1, cell.batch):  # full batches only: one shape per rung
             idx = perm[i:i + cell.batch]
             x = x_train[idx].to(cell.device)
-            if cell.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=memory_format(cell.channels_last))
             losses.append(built.forward(x, y_train[idx].to(cell.device)))
         mean_loss = torch.stack(losses).float().mean().item()  # one sync per epoch
         seconds = time.perf_counter() - t
@@ -108,3 +116,89 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, epo
         on_epoch(cell, curve[-1])
     return {"rung": cell.label, "tier": cell.tier, "dtype": cell.dtype, "build_s": build_s, "curve": curve,
             "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
+
+
+@dataclass
+class AccuracyConfig:
+    """What `python -m harness train-to-accuracy` takes; None means the device's default."""
+
+    tiers: list[str]
+    model: str = "resnet18"
+    epochs: int = 8
+    batch: int = 64
+    res: int = 32
+    dtype: str | None = None
+    data: Path | None = None
+    device: str | None = None
+    seed: int = 0
+    out: Path | None = None
+
+
+class Refusal(Exception):
+    """Why the run will not start, in one line."""
+
+
+def run(config: AccuracyConfig) -> None:
+    """Trains each rung that can from one seed and one set of weights; accuracy.json, accuracy.md and the plot."""
+    device = config.device or default_device()
+    if device == "cuda" and default_device() != "cuda":
+        raise Refusal("--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
+    dtype = config.dtype or ("bf16" if device == "cuda" else "fp32")
+    out = (config.out or Path("runs") / f"accuracy-{config.model}-{device}").resolve()
+    try:
+        x_train, y_train, x_test, y_test, data = (image_folder(config.data, config.res) if config.data
+                                                  else digits(config.res))
+    except (ValueError, OSError) as e:
+        raise Refusal(str(e)) from None
+    if config.batch > len(y_train):
+        raise Refusal(f"--batch {config.batch} exceeds the {len(y_train)} training images")
+    console = Console()
+    torch.manual_seed(config.seed)
+    initial = torchvision.models.get_model(config.model, weights=None, num_classes=data["classes"])
+    set_math_mode(dtype)
+    results, skipped = [], {}
+    for name in config.tiers:
+        tier = all_tiers()[name]
+        cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
+                    channels_last=device == "cuda", device=device, task="train")
+        reason = tier.availability(device) or tier.supports(cell)
+        if reason or not isinstance(tier, PythonTier):
+            skipped[name] = reason or f"{name} trains in its own program, which takes no dataset yet"
+            console.print(f"{name}: skipped: {skipped[name]}", markup=False, style="yellow")
+            continue
+        torch._dynamo.reset()
+        results.append(train_rung(
+            tier, initial, (x_train, y_train, x_test, y_test), cell, config.epochs, config.seed,
+            lambda c, e: console.print(f"  {c.label:12s} epoch {e['epoch']:2d}: test accuracy "
+                                       f"{100 * e['test_accuracy']:5.1f}%, train loss {e['train_loss']:.3f}, "
+                                       f"{e['epoch_s']:.1f} s", markup=False)))
+    doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,
+           "res": config.res, "seed": config.seed, "data": data, "environment": environment(device),
+           "recipe": "the step of core/train.py (SGD, momentum 0.9, weight decay 1e-4, lr 0.1 x batch / 256), "
+                     "full shuffled batches; accuracy by the eager model in eval mode with the rung's weights",
+           "command": " ".join(["python -m harness", *sys.argv[1:]]), "rungs": results, "skipped": skipped}
+    write(doc, out, console)
+
+
+def write(doc: dict, out: Path, console: Console) -> None:
+    """accuracy.json, accuracy.md (a table of test accuracy per epoch) and the plot; one line per rung."""
+    results, data = doc["rungs"], doc["data"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(doc, indent=1))
+    plot = accuracy_curves(doc, out / "plots" / "accuracy.png") if results else None
+    table = [{"rung": r["rung"], **{f"epoch {c['epoch']}": f"{100 * c['test_accuracy']:.1f}" for c in r["curve"]},
+              "train s": f"{sum(c['epoch_s'] for c in r['curve']):.1f}", "build s": f"{r['build_s']:.1f}"}
+             for r in results]
+    lines = [f"# Train to accuracy: {doc['model']} on {data['dataset']}", "",
+             f"{data['train_images']} training and {data['test_images']} test images, {data['classes']} classes; "
+             f"{doc['epochs']} epochs at batch {doc['batch']}, res {doc['res']}, {doc['dtype']}, on {doc['device']}, "
+             f"seed {doc['seed']}. Recipe: {doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
+             *markdown_table(table), ""]
+    lines += [f"- {name}: skipped: {reason}" for name, reason in doc["skipped"].items()]
+    if plot:
+        lines += ["", "![test accuracy per epoch](plots/accuracy.png)", ""]
+    (out / "accuracy.md").write_text("\n".join(lines))
+    for r in results:
+        console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after {doc['epochs']} "
+                      "epochs", markup=False)
+    console.print(f"JSON: {out / 'accuracy.json'}  markdown: {out / 'accuracy.md'}", markup=False)

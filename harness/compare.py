@@ -6,10 +6,14 @@ difference between two processes or two hosts: the threshold is there for that (
 and are marked)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
-from harness.report import bound
-from tiers.base import Cell
+from harness.record import bound
+from core.cell import Cell, layout_name
+from harness.report import BadInput, load_records, markdown_table
+from tiers import identity
 
 FAILED = ("crashed", "oom", "timeout", "error", "parity-fail", "contended")
 
@@ -36,14 +40,14 @@ def verdict(ratio: float, low: float, high: float, threshold: float) -> str:
 
 def compare(a_records: list[dict], b_records: list[dict], threshold: float) -> list[dict]:
     """One row per cell of either run: its latencies, the ratio B/A with its 95% CI, and the verdict."""
-    a_by = {Cell.of_record(r).identity: r for r in a_records}
-    b_by = {Cell.of_record(r).identity: r for r in b_records}
+    a_by = {identity(Cell.of_record(r)): r for r in a_records}
+    b_by = {identity(Cell.of_record(r)): r for r in b_records}
     out = []
     for key in list(a_by) + [k for k in b_by if k not in a_by]:
         a, b = a_by.get(key), b_by.get(key)
         r = a or b
         row = {"rung": r["label"], "batch": r["batch"], "res": r["res"], "dtype": r["dtype"],
-               "layout": "nhwc" if r["channels_last"] else "nchw", "a_ms": None, "b_ms": None, "ratio": None,
+               "layout": layout_name(r["channels_last"]), "a_ms": None, "b_ms": None, "ratio": None,
                "ci_low": None, "ci_high": None, "host_bound": False}
         if a is None or b is None:
             row["verdict"] = "only in A" if b is None else "only in B"
@@ -99,8 +103,6 @@ def rich_table(rows: list[dict], title: str):
 
 
 def markdown(rows: list[dict], a: str, b: str, threshold: float) -> str:
-    from harness.report import markdown_table
-
     n = regressions(rows)
     return "\n".join([
         f"# Compare: B = {b} against A = {a}", "",
@@ -109,3 +111,33 @@ def markdown(rows: list[dict], a: str, b: str, threshold: float) -> str:
         "(host) marks host-bound cells, whose latency measures the host's speed.", "",
         *markdown_table([display(r) for r in rows]), "",
         f"{n} regression{'s' if n != 1 else ''}.", ""])
+
+
+def run(a: Path, b: Path, threshold: float, markdown_path: Path | None) -> int:
+    """`python -m harness compare A B`: the table, a summary line, the markdown if asked; 1 on a regression.
+    Raises BadInput for a file that is not results."""
+    from rich.console import Console
+
+    loaded = []
+    for path in (a, b):
+        records, _ = load_records([path])
+        if not records:
+            raise BadInput(f"no records in {path}")
+        loaded.append(records)
+    rows = compare(*loaded, threshold=threshold)
+    console = Console()
+    both = [r for r in rows if not r["verdict"].startswith("only in")]
+    console.print(rich_table(both, title=f"B/A: median latency, B = {b}, A = {a}"))
+    for side in ("A", "B"):
+        alone = sum(r["verdict"] == f"only in {side}" for r in rows)
+        if alone:
+            console.print(f"{alone} cells only in {side} (listed in --markdown)", markup=False)
+    n = regressions(rows)
+    changed = sum(r["verdict"] == "improvement" for r in rows)
+    console.print(f"{n} regression{'s' if n != 1 else ''}, {changed} improvement{'s' if changed != 1 else ''}, "
+                  f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise (threshold "
+                  f"{threshold:.1%}; 95% bootstrap CI of the median's ratio)", markup=False)
+    if markdown_path:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(markdown(rows, str(a), str(b), threshold))
+    return 1 if n else 0

@@ -10,23 +10,22 @@ import sys
 
 import torch
 
-from harness.model import load_model, read_tensor
+from core import train
+from core.cell import Cell, Store
+from core.model import load_model, read_tensor
+from core.placement import set_math_mode, torch_dtype
+from tiers import get_tier
 
 
 def reference(model_name: str, weights: str, input_path: str, output: str, device: str, task: str = "infer") -> None:
     from safetensors.torch import save_file
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    set_math_mode("fp32")
     model = load_model(model_name, weights).to(device)
     x = read_tensor(input_path, "input").to(device)
     if task == "train":  # the eager rung's step, in strict fp32 and NCHW
-        from harness import train
-        from tiers import get_tier
-        from tiers.base import Cell
-
         cell = Cell(tier="eager", model=model_name, batch=x.shape[0], res=x.shape[-1], device=device, task=task)
-        built = get_tier("eager").build_train(model.train(), x, cell)
+        built = get_tier("eager").build_train(model.train(), x, cell, Store())
         losses = [built.forward(x) for _ in range(train.K_STEPS)]
         save_file(train.output_tensors(losses, built.state()), output)
         return
@@ -40,11 +39,10 @@ def measured_peak(output: str) -> None:
     from triton.testing import do_bench
 
     rates = {}
-    for name, dtype, n, tf32 in (("bf16", torch.bfloat16, 8192, False), ("fp16", torch.float16, 8192, False),
-                                 ("tf32", torch.float32, 8192, True), ("fp32", torch.float32, 4096, False)):
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        a = torch.randn(n, n, device="cuda", dtype=dtype)
-        b = torch.randn(n, n, device="cuda", dtype=dtype)
+    for name, n in (("bf16", 8192), ("fp16", 8192), ("tf32", 8192), ("fp32", 4096)):
+        set_math_mode(name)
+        a = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
+        b = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
         ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
         rates[name] = 2 * n**3 / ms / 1e9
     with open(output, "w") as f:

@@ -7,110 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.env import utc_now
-from tiers.base import Cell
-
-SCHEMA_VERSION = 1
-
-HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (measured cells sit near 1 or <= 0.6)
-
-# What every figure of a record means; shipped inside every JSON file so it reads on its own.
-DEFINITIONS = {
-    "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
-              "withheld), 'crashed' (killed by a signal or a non-zero exit), 'oom' (an allocator refused, or the "
-              "kernel's OOM killer), 'timeout' (no result within --timeout), 'error' (an exception, a failed build "
-              "of our own code, or a failed eager reference), 'interrupted' (Ctrl-C, SIGTERM or SIGHUP while it "
-              "ran), 'contended' (measured beside another busy process under --isolation-check error; timings "
-              "withheld), 'unavailable' (rung cannot run here), 'skipped' (rung does not implement this "
-              "configuration); 'reason' says why. A rerun keeps ok, parity-fail and skipped and tries the rest again",
-    "isolation": "'rung': one process per rung measured its cells in turn, caches kept between processes; 'cell': "
-                 "a fresh process with fresh caches per cell",
-    "start": "what the cell's first result had: 'cold' (fresh process, empty caches), 'warm-start' (fresh process, "
-             "caches kept: Inductor/Triton caches, tuning tables, a built C++ binary), 'hot' (a process that had "
-             "already measured other cells of the rung); process_position counts those cells. cold holds the "
-             "times of that start; prepared holds the prepare stage's start of the same cell where it had one "
-             "(a build-only process, its first cell cold and the next hot, beside concurrent_jobs other jobs)",
-    "hot_start": "first call at batch + 1 in the process of the rung's first measured cell (a new shape: the "
-                 "recompile of compiling rungs), synchronised, wall clock; inference cells only",
-    "cache_bytes": "size on disk of the rung's kept caches after the cell",
-    "phase_s": "wall seconds of the cell per protocol phase, from the parent's clock ('start': the process's start "
-               "and imports for a process's first cell); they add up to wall_s",
-    "contention": "other processes during the cell's timed phases: other_cpus_busy = CPU time of processes outside "
-                  "the ladder's process tree / wall time; gpu_other_pids = processes outside it holding the GPU "
-                  "(NVML; null where its PIDs cannot be matched); flagged when more than half a CPU or any GPU "
-                  "process",
-    "latency_stopped": "why the latency pass ended: 'precision' (the median's 95% confidence interval within "
-                       "+-protocol.precision), 'time' (protocol.max_time_s), 'iters' (protocol.max_iters)",
-    "dtype": "fp32 = strict fp32 (TF32 off); tf32 = fp32 tensors, TF32 tensor-core math allowed; fp16/bf16 = "
-             "weights and activations in that type",
-    "parity": "output of the first forward vs eager fp32 (TF32 off) on the same input and weights: max_abs_err, "
-              "rel_err = max_abs_err / max|ref|, cosine similarity, top-1 agreement (required on rows whose "
-              "reference top-1 margin exceeds twice the tolerance); ok = within the dtype's tolerance",
-    "latency_ms": "warm per-iteration time of one forward (device-resident input, output left on device), CUDA "
-                  "events recorded on the stream the rung issues its work on, one sync per iteration; statistics "
-                  "over latency_samples_ms (raw). On the CPU: host wall clock",
-    "throughput_img_s": "batch / median latency: synchronous, one batch at a time",
-    "pipelined": "forwards issued back to back with no sync, one event pair around all: ms_per_iter and "
-                 "throughput_img_s when host and GPU overlap",
-    "host_overhead_us": "CPU time of the calling thread inside the forward call (issuing work; excludes the sync)",
-    "e2e_ms": "wall time of input copy H2D + forward + output copy D2H, synchronised: 'pageable' and 'pinned' "
-              "host input; 'device' = input already on the GPU (forward + D2H only)",
-    "cold": "load_s: weights from disk; build_s: everything before the first forward (device transfer, tracing, "
-            "export, engine or algorithm selection, autotuning); first_result_s: first forward incl. lazy JIT, "
-            "synchronised; all wall clock in a fresh process; jit_cache says whether JIT caches were fresh",
-    "memory": "allocator_peak_bytes: torch caching-allocator peak allocated over 3 steady-state forwards after a "
-              "peak reset (weights and persistent buffers included); allocator_reserved_peak_bytes: same, "
-              "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
-              "nvml_process_peak_bytes: NVML's figure for the child process, peak over its untimed phases (NVML is "
-              "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
-              "their own memory plan report workspace_bytes / activation_bytes / weights_bytes; training steps "
-              "report weights_bytes, gradient_bytes, optimizer_state_bytes and activations_and_workspace_bytes = "
-              "allocator peak minus those and the input (an estimate: at the peak some gradients are not yet "
-              "allocated)",
-    "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
-                   "forwards; energy_j = NVML board energy counter over that pass, img_per_joule = images per joule "
-                   "of board energy",
-    "task": "'infer': each timed call is one forward; 'train': one training step (forward with BatchNorm in "
-            "training mode, cross-entropy against fixed labels, backward, SGD with momentum 0.9 and weight decay "
-            "1e-4; bf16/fp16 = autocast over fp32 master weights, fp16 with a gradient scaler; harness/train.py). "
-            "A training cell's latency, img/s, host time and memory are per step, its parity compares the loss "
-            "of 3 steps, the updated weights and the running statistics with eager fp32's, and its first result "
-            "is the first step",
-    "tflops": "achieved = FLOPs of one forward (a training step counts as 3 forwards) (2 per multiply-accumulate in convolutions and matmuls, torch "
-              "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
-              "dense peak for the cell's dtype",
-    "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
-             f"{HOST_BOUND:.0%} of its latency median: the GPU waited on the host, so the latency measures the "
-             "host's speed and moves with it between processes; 'gpu' otherwise; null on the CPU or without a "
-             "result",
-    "measured_at": "UTC time the cell's measurement began (before its process was started)",
-    "source": "digest of the project's source files that measured the cell (environment.source: the same digest, "
-              "with the git commit where the run had one; harness.env.source_revision)",
-    "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
-                   "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
-}
-
-
-def bound(r: dict) -> str | None:
-    """'host' or 'gpu': what a cell's latency measures (DEFINITIONS['bound'])."""
-    if r["status"] != "ok" or r["device"] != "cuda" or not r.get("host_overhead_us"):
-        return None
-    host_ms = r["host_overhead_us"]["median"] / 1e3
-    return "host" if host_ms >= HOST_BOUND * r["latency_ms"]["median"] else "gpu"
-
-
-def document(records: list[dict], environment: dict, protocol: dict, extra: dict | None = None) -> dict:
-    records = [{**r, "bound": bound(r)} for r in records]
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "generated": utc_now(),
-        "environment": environment,
-        "protocol": protocol,
-        **(extra or {}),
-        "definitions": DEFINITIONS,
-        "results": records,
-    }
-
+from core.cell import Cell, layout_name
+from harness.record import bound, document
+from harness.rundir import read_jsonl
+from tiers import identity
 
 def eager_baseline(records: list[dict], r: dict) -> dict | None:
     for e in records:
@@ -159,7 +59,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "batch": str(r["batch"]),
             "res": str(r["res"]),
             "dtype": r["dtype"],
-            "layout": "nhwc" if r["channels_last"] else "nchw",
+            "layout": layout_name(r["channels_last"]),
             "start": r.get("start") or "",
             "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
             "median ms": _fmt(lat.get("median"), ".3f") if ok else "",
@@ -287,7 +187,7 @@ def to_csv(doc: dict) -> str:
     w = csv.writer(buf)
     w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run"])
     for r in records:
-        r = {**r, "layout": r.get("layout") or ("nhwc" if r["channels_last"] else "nchw"), "bound": bound(r),
+        r = {**r, "layout": r.get("layout") or layout_name(r["channels_last"]), "bound": bound(r),
              "task": r.get("task", "infer")}
         base = eager_baseline(records, r)
         w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
@@ -334,6 +234,14 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
     return table
 
 
+def progress_line(rec: dict) -> str:
+    """One line per finished cell in the live progress: its median, or its failure and reason."""
+    line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
+            f"{rec['status']}: {rec.get('reason')}")
+    flag = "  (contended)" if (rec.get("contention") or {}).get("flagged") else ""
+    return f"  {rec['label']:26.26s} b{rec['batch']:<4d} {rec['dtype']:5s} {rec['layout']} {line[:200]}{flag}"
+
+
 def failure_lines(records: list[dict]) -> list[str]:
     """One line per rung and reason: which cells failed, and why (a rung unavailable here is one line, not one per
     cell)."""
@@ -344,7 +252,7 @@ def failure_lines(records: list[dict]) -> list[str]:
     lines = []
     for (label, status, reason), rs in groups.items():
         one = rs[0]
-        cells = (f"b{one['batch']} {one['dtype']} {one.get('layout') or ('nhwc' if one['channels_last'] else 'nchw')}"
+        cells = (f"b{one['batch']} {one['dtype']} {one.get('layout') or layout_name(one['channels_last'])}"
                  if len(rs) == 1 else f"{len(rs)} cells")
         lines.append(f"{label} {cells}: {status}: {reason}")
     return lines
@@ -361,7 +269,7 @@ def fastest_lines(records: list[dict]) -> list[str]:
         best = min((r for r in ok if config(r) == key), key=lambda r: r["latency_ms"]["median"])
         lead = speedup(eager_baseline(records, best), best)
         out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
-                   f"{'nhwc' if key[3] else 'nchw'} res {key[4]}: fastest {best['label']} "
+                   f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
                    f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else ""))
     return out
 
@@ -392,8 +300,6 @@ def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
     """Records from results.jsonl files (with their run.json) or earlier JSON documents; later files win on the
     same cell (`Cell.identity`). Each record gets `run`, an index into meta['runs'] (source and environment of its
     run), so a report merged from several machines says which machine measured what. Raises BadInput."""
-    from harness.runner import read_jsonl
-
     by_key: dict[str, dict] = {}
     meta: dict[str, Any] = {"runs": []}
     for p in paths:
@@ -416,7 +322,8 @@ def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
                 raise BadInput(f"{p}: not a ladder JSON document (no 'results' list); give a ladder.json or a "
                                "results.jsonl")
             recs = d["results"]
-            run_meta = {k: v for k, v in d.items() if k not in ("results", "definitions", "schema_version", "generated")}
+            run_meta = {k: v for k, v in d.items()
+                        if k not in ("results", "definitions", "schema_version", "generated")}
         bad = [i for i, r in enumerate(recs) if not isinstance(r, dict) or not {"tier", "status", "batch"} <= set(r)]
         if bad:
             raise BadInput(f"{p}: record {bad[0]} is not a ladder record")
@@ -425,5 +332,23 @@ def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
         meta["runs"].append({"source": str(p), "environment": run_meta.get("environment"),
                              "peak_tflops": run_meta.get("peak_tflops")})
         for r in recs:
-            by_key[Cell.of_record(r).identity] = {**r, "run": run}
+            by_key[identity(Cell.of_record(r))] = {**r, "run": run}
     return list(by_key.values()), meta
+
+
+def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, csv_path: Path | None,
+             wide: bool) -> None:
+    """`python -m harness report`: merges results files, shows the table, writes what is asked. Raises BadInput."""
+    from rich.console import Console
+
+    records, meta = load_records(inputs)
+    if not records:
+        raise BadInput(f"no records in {', '.join(map(str, inputs))}")
+    one_run = {k: meta[k] for k in ("isolation", "command", "wall_s", "builds") if k in meta and len(inputs) == 1}
+    doc = document(records, meta.get("environment", {}), meta.get("protocol", {}),
+                          {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"], **one_run})
+    console = Console()
+    console.print(rich_table(records, wide=wide))
+    for line in failure_lines(records):
+        console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
+    write(doc, json_path, md_path, csv_path)

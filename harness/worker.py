@@ -9,57 +9,32 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import resource
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from harness.model import load_model, read_tensor
-from harness.stats import median_ci_rel
+from core.cell import Built, Cell, Store
+from core.model import load_model, read_tensor
+from core.placement import memory_format, set_math_mode, torch_dtype
+from core.stats import median, median_ci_rel
+from harness.contract import CELL, ERROR, PHASE, cell_of, parse_argv
 from tiers import get_tier
-from tiers.base import Built, Cell, torch_dtype
-
-
-def parse_args(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    if len(argv) % 2:
-        raise SystemExit(f"expected --key value pairs, got {argv}")
-    kv: dict[str, str] = {}
-    options: dict[str, str] = {}
-    for key, value in zip(argv[::2], argv[1::2]):
-        if not key.startswith("--"):
-            raise SystemExit(f"bad argument {key}")
-        if key == "--option":
-            k, _, v = value.partition("=")
-            options[k] = v
-        else:
-            kv[key[2:]] = value
-    return kv, options
-
-
-def cell_from_args(kv: dict[str, str], options: dict[str, str]) -> Cell:
-    return Cell(tier=kv["tier"], model=kv["model"], batch=int(kv["batch"]), res=int(kv["res"]), dtype=kv["dtype"],
-                channels_last=kv["channels-last"] == "1", cuda_graph=kv["cuda-graph"] == "1", device=kv["device"],
-                options=tuple(sorted(options.items())), task=kv.get("task", "infer"))
 
 
 def phase(name: str) -> None:
-    print(f"@@phase {name}", flush=True)
-
-
-def set_math_mode(dtype: str) -> None:
-    """fp32 means strict fp32: torch allows TF32 in cuDNN convolutions by default, so say no explicitly."""
-    tf32 = dtype == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    print(f"{PHASE}{name}", flush=True)
 
 
 def prepare_input(x: torch.Tensor, cell: Cell) -> torch.Tensor:
     """The cell's device input: its dtype and layout (training keeps fp32 input: bf16 and fp16 mean autocast)."""
     x = x.to(cell.device, torch.float32 if cell.task == "train" else torch_dtype(cell.dtype))
-    return x.contiguous(memory_format=torch.channels_last) if cell.channels_last else x.contiguous()
+    return x.contiguous(memory_format=memory_format(cell.channels_last))
 
 
 def capture_cuda_graph(built: Built, example: torch.Tensor) -> Built:
@@ -147,20 +122,22 @@ def latency_pass(timed_call: Callable[..., float], iters: int, min_time_s: float
                 return lat, host, "time"
 
 
-def _median(v: list[float]) -> float:
-    s = sorted(v)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
 def pipelined_iters(kv: dict[str, str], latency_ms: list[float]) -> int:
     """At least --pipelined-iters forwards, and enough to last --pipelined-s at the measured latency."""
-    return max(int(kv["pipelined-iters"]), math.ceil(float(kv["pipelined-s"]) * 1e3 / _median(latency_ms)))
+    return max(int(kv["pipelined-iters"]), math.ceil(float(kv["pipelined-s"]) * 1e3 / median(latency_ms)))
+
+
+def store_of(kv: dict[str, str]) -> Store:
+    """The rung's cache and tunings, from the contract's --cache-dir and --tunings (as a C++ child reads them)."""
+    return Store(cache=Path(kv["cache-dir"]) if kv.get("cache-dir") else None,
+                 tunings=Path(kv["tunings"]) if kv.get("tunings") else None)
 
 
 def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, Built, torch.Tensor]:
     """The cold part of a cell: load, build, first result (written to --output). Returns (tier, built, example)."""
     tier = get_tier(cell.tier)
+    store = store_of(kv)
+    os.environ.update(store.library_env())  # read by Inductor and Triton when they first compile
     phase("load")
     t = time.perf_counter()
     model = load_model(cell.model, kv["weights"])
@@ -172,9 +149,9 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     set_math_mode(cell.dtype)
     example = prepare_input(x_host, cell)
     if cell.task == "train":
-        built = tier.build_train(model.train(), example, cell, lr=float(kv["lr"]))
+        built = tier.build_train(model.train(), example, cell, store, lr=float(kv["lr"]))
     else:
-        built = tier.build(model, example, cell)
+        built = tier.build(model, example, cell, store)
     if cell.cuda_graph:
         built = capture_cuda_graph(built, example)
     result["cold"]["build_s"] = time.perf_counter() - t
@@ -187,7 +164,7 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     from safetensors.torch import save_file
 
     if cell.task == "train":  # the parity steps: the first was the first result, from the run's weights
-        from harness import train
+        from core import train
 
         losses = [out] + [built.forward(example) for _ in range(int(kv["parity-steps"]) - 1)]
         save_file(train.output_tensors(losses, built.state()), kv["output"])
@@ -207,13 +184,88 @@ def sync_of(built: Built, cell: Cell) -> Callable[[], None]:
     return stream.synchronize if stream is not None else (lambda: None)
 
 
+def warmup_pass(timed_call: Callable[..., float], kv: dict[str, str]) -> dict[str, Any]:
+    """Calls until the medians of the two halves agree within 2% (and at least --warmup-min calls), or until
+    --warmup-s / --warmup-max."""
+    warm: list[float] = []
+    t = time.perf_counter()
+    wmin, wmax, ws = int(kv["warmup-min"]), int(kv["warmup-max"]), float(kv["warmup-s"])
+    while len(warm) < wmax and (time.perf_counter() - t < ws or len(warm) < wmin):
+        warm.append(timed_call())
+        if len(warm) >= max(wmin, 6):  # the medians of two halves of 3 or more
+            half = len(warm) // 2
+            last, prev = median(warm[half:]), median(warm[:half])
+            if abs(last - prev) <= 0.02 * prev:
+                return {"iters": len(warm), "stable": True}
+    return {"iters": len(warm), "stable": False}
+
+
+def end_to_end_pass(forward: Callable[[Any], Any], example: torch.Tensor, stream: Any, output: dict[str, Any],
+                    iters: int) -> dict[str, list[float]]:
+    """Input copy H2D (pageable, pinned, or none) + forward + output copy D2H, synchronised; empty on the CPU.
+    device: the output still goes to pinned memory (as in the C++ driver), so only the input copy differs."""
+    e2e: dict[str, list[float]] = {"device_ms": [], "pageable_ms": [], "pinned_ms": []}
+    if stream is None:
+        return e2e
+    pageable_in = example.cpu()
+    pinned_in = pageable_in.pin_memory()
+    pageable_out = torch.empty(output["shape"], dtype=output["dtype"])
+    pinned_out = pageable_out.pin_memory()
+
+    def end_to_end(src: torch.Tensor | None, dst: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            if src is not None:
+                example.copy_(src, non_blocking=True)
+            dst.copy_(forward(example), non_blocking=True)
+        stream.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(iters):
+        e2e["device_ms"].append(end_to_end(None, pinned_out))
+        e2e["pageable_ms"].append(end_to_end(pageable_in, pageable_out))
+        e2e["pinned_ms"].append(end_to_end(pinned_in, pinned_out))
+    return e2e
+
+
+def memory_pass(built: Built, example: torch.Tensor, gpu: bool, sync: Callable[[], None]) -> dict[str, Any]:
+    """The allocator's peak over 3 steady-state calls after a reset, and what the rung knows of its memory."""
+    memory: dict[str, Any] = {"allocator_peak_bytes": None, "allocator_reserved_peak_bytes": None}
+    if gpu and built.uses_torch_allocator:
+        memory["allocator_lifetime_peak_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            built.forward(example)
+        sync()
+        memory["allocator_peak_bytes"] = torch.cuda.max_memory_allocated()
+        memory["allocator_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+    memory.update(built.stats.pop("memory", {}))
+    known = ("weights_bytes", "gradient_bytes", "optimizer_state_bytes")
+    if memory["allocator_peak_bytes"] and all(k in memory for k in known):  # a training step's split
+        memory["activations_and_workspace_bytes"] = (memory["allocator_peak_bytes"] - example.nbytes
+                                                     - sum(memory[k] for k in known))
+    return memory
+
+
+def util_pass(forward: Callable[[Any], Any], example: torch.Tensor, sync: Callable[[], None],
+              seconds: float) -> dict[str, Any]:
+    """Calls back to back (a sync every 4) for `seconds`, while the parent samples NVML."""
+    iters = 0
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        for _ in range(4):
+            forward(example)
+        iters += 4
+        sync()
+    return {"iters": iters, "seconds": time.perf_counter() - t}
+
+
 def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: torch.Tensor,
             result: dict[str, Any]) -> None:
     """The warm phases of docs/protocol.md on a built rung, into `result`."""
-    gpu = cell.device == "cuda"
     stream = stream_of(built, cell)
     sync = sync_of(built, cell)
-    out_shape, out_dtype = result.pop("output").values()
+    output = result.pop("output")
     result["stream"] = built.stream_description
     forward = built.forward
     clock = Clock(stream)
@@ -223,19 +275,7 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
     gc.collect()
     gc.disable()
     phase("warmup")
-    warm: list[float] = []
-    stable = False
-    t = time.perf_counter()
-    wmin, wmax, ws = int(kv["warmup-min"]), int(kv["warmup-max"]), float(kv["warmup-s"])
-    while len(warm) < wmax and (time.perf_counter() - t < ws or len(warm) < wmin):
-        warm.append(timed_call())
-        if len(warm) >= max(wmin, 6):  # the medians of two halves of 3 or more
-            half = len(warm) // 2
-            last, prev = _median(warm[half:]), _median(warm[:half])
-            if abs(last - prev) <= 0.02 * prev:
-                stable = True
-                break
-    result["warmup"] = {"iters": len(warm), "stable": stable}
+    result["warmup"] = warmup_pass(timed_call, kv)
 
     phase("latency")
     lat, host, stopped = latency_pass(timed_call, int(kv["iters"]), float(kv["min-time-s"]),
@@ -252,63 +292,17 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
     result["pipelined"] = {"iters": n, "total_ms": clock.elapsed_ms()}
 
     phase("e2e")
-    e2e: dict[str, list[float]] = {"device_ms": [], "pageable_ms": [], "pinned_ms": []}
-    if gpu:
-        pageable_in = example.cpu()
-        pinned_in = pageable_in.pin_memory()
-        pageable_out = torch.empty(out_shape, dtype=out_dtype)
-        pinned_out = pageable_out.pin_memory()
-
-        def end_to_end(src: torch.Tensor | None, dst: torch.Tensor) -> float:
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                if src is not None:
-                    example.copy_(src, non_blocking=True)
-                dst.copy_(forward(example), non_blocking=True)
-            stream.synchronize()
-            return (time.perf_counter() - t0) * 1e3
-
-        # device: the output still goes to pinned memory (as in the C++ driver), so only the input copy differs
-        for _ in range(int(kv["e2e-iters"])):
-            e2e["device_ms"].append(end_to_end(None, pinned_out))
-            e2e["pageable_ms"].append(end_to_end(pageable_in, pageable_out))
-            e2e["pinned_ms"].append(end_to_end(pinned_in, pinned_out))
-    result["e2e"] = e2e
+    result["e2e"] = end_to_end_pass(forward, example, stream, output, int(kv["e2e-iters"]))
     gc.enable()
 
     phase("memory")
-    memory: dict[str, Any] = {"allocator_peak_bytes": None, "allocator_reserved_peak_bytes": None}
-    if gpu and built.uses_torch_allocator:
-        memory["allocator_lifetime_peak_bytes"] = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(3):
-            forward(example)
-        sync()
-        memory["allocator_peak_bytes"] = torch.cuda.max_memory_allocated()
-        memory["allocator_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
-    memory.update(built.stats.pop("memory", {}))
-    known = ("weights_bytes", "gradient_bytes", "optimizer_state_bytes")
-    if memory["allocator_peak_bytes"] and all(k in memory for k in known):  # a training step's split
-        memory["activations_and_workspace_bytes"] = (memory["allocator_peak_bytes"] - example.nbytes
-                                                     - sum(memory[k] for k in known))
-    result["memory"] = memory
+    result["memory"] = memory_pass(built, example, cell.device == "cuda", sync)
 
     phase("util")
-    iters = 0
-    t = time.perf_counter()
-    while time.perf_counter() - t < float(kv["util-s"]):
-        for _ in range(4):
-            forward(example)
-        iters += 4
-        sync()
-    result["util"] = {"iters": iters, "seconds": time.perf_counter() - t}
+    result["util"] = util_pass(forward, example, sync, float(kv["util-s"]))
 
     phase("after")  # rung facts that need the measured state (guard cost); outside every timing
-    stats = dict(built.stats)
-    after = getattr(tier, "after", None)
-    if after is not None:
-        stats.update(after(built, example, cell))
-    result["build_stats"] = stats
+    result["build_stats"] = {**built.stats, **tier.after(built, example, cell)}
     if kv.get("hot-start") == "1":
         phase("hot")
         result["hot_start"] = tier.hot_start(built, example, cell)
@@ -316,7 +310,7 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
 
 def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     """One cell: cold part, then (unless --build-only 1) the warm phases. The result JSON of docs/protocol.md."""
-    cell = cell_from_args(kv, options)
+    cell = cell_of(kv, options)
     result: dict[str, Any] = {"cold": {}}
     if cell.device == "cuda":  # per cell, in a process that measures several: peaks and caches of this cell only
         torch.cuda.empty_cache()
@@ -333,13 +327,13 @@ def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
 
 def run_one(argv: list[str]) -> bool:
     """Runs one cell's contract; its result file, or an `@@error` line. Returns whether it succeeded."""
-    kv, options = parse_args(argv)
+    kv, options = parse_argv(argv)
     try:  # a training step needs autograd; a forward runs as the eager reference does, in inference mode
         with torch.inference_mode(kv.get("task", "infer") == "infer"):
             result = run_cell(kv, options)
     except Exception as e:  # the traceback goes to stderr; the parent records the exception's own words
         traceback.print_exc()
-        print(f"@@error {type(e).__name__}: {' '.join(str(e).split())[:600]}", flush=True)
+        print(f"{ERROR}{type(e).__name__}: {' '.join(str(e).split())[:600]}", flush=True)
         return False
     finally:
         gc.collect()
@@ -355,7 +349,7 @@ def main(argv: list[str]) -> int:
         jobs = json.loads(open(argv[1]).read())
         ok = True
         for i, job in enumerate(jobs):
-            print(f"@@cell {i}", flush=True)
+            print(f"{CELL}{i}", flush=True)
             ok &= run_one(job)
         return 0 if ok else 1
     return 0 if run_one(argv) else 1

@@ -6,7 +6,9 @@ import time
 
 import torch
 
-from tiers.base import Built, PythonTier, place_model
+from core.cell import Built
+from core.placement import place_model
+from tiers.base import PythonTier
 
 
 class Segfault(PythonTier):

@@ -4,9 +4,9 @@ program (built with CMake), both checked against eager; the package cache's key;
 import torch
 
 from conftest import ladder, records
-from harness.model import build_model
-from tiers.aot_inductor_export import TRACE_BATCH, missing_api, package_key, weights_digest
-from tiers.base import Cell
+from core.model import build_model
+from tiers.exports.aot_inductor import TRACE_BATCH, missing_api, package_key, weights_digest
+from core.cell import Cell
 
 
 def test_both_rungs_match_eager_from_one_package_with_a_dynamic_batch(tmp_path):

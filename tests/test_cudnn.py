@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tiers.base import Cell, Unavailable
+from core.cell import Cell, Unavailable
 from tiers.cudnn import TIER, toolchain
 
 

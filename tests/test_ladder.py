@@ -129,7 +129,7 @@ def test_unavailable_rung_is_reported_and_skipped_cells_say_why(tmp_path):
 def test_report_merges_a_cell_run_with_its_rung_default_option_and_without(python_rungs, tmp_path):
     """`--option onnxruntime:conv-algo-search=EXHAUSTIVE` (ORT's default) names the same cell as no option: a merged
     report keeps the later run's record of it, and a real variant (HEURISTIC) as a cell of its own."""
-    from tiers.base import Cell
+    from core.cell import Cell
 
     plain = next(r for r in records(python_rungs) if r["tier"] == "onnxruntime")
 
@@ -194,7 +194,7 @@ def test_rerun_with_another_protocol_is_refused(tmp_path):
 
 
 def descendants(pid: int) -> set[int]:
-    from harness.runner import process_tree
+    from harness.contention import process_tree
 
     return set(process_tree(pid)) - {pid}
 

@@ -11,14 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.model import build_model, make_input, read_tensor, write_input, write_weights
-from harness.runner import Protocol, contract_argv
-from tiers.base import Cell
+from core.model import build_model, make_input, read_tensor, write_input, write_weights
+from harness.contract import PHASES, RESULT_KEYS, Protocol, contract_argv
+from core.cell import Cell
 from tiers.libtorch import TIERS
 
-PHASES = ["load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done"]
-RESULT_KEYS = {"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory", "util",
-               "rss_peak_bytes"}
 # The contract's options at a size that keeps each run to seconds on a small CPU.
 TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=3, precision=1e-9, pipelined_iters=2,
                 e2e_iters=1, util_s=0.01)
@@ -63,7 +60,7 @@ def run_child(program: list[str], cell: Cell, files: dict[str, Path], weights: P
 def check_contract(proc: subprocess.CompletedProcess, out: Path, files: dict[str, Path]) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     phases = [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")]
-    assert phases == PHASES
+    assert phases == list(PHASES)
     result = json.loads((out / "result.json").read_text())
     assert set(result) == RESULT_KEYS
     assert len(result["latency"]["samples_ms"]) >= TINY.iters
@@ -114,7 +111,7 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
     for tier, program in (("eager", [sys.executable, "-m", "harness.worker"]), ("libtorch", programs["libtorch"])):
         proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == PHASES
+        assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == list(PHASES)
         results[tier] = json.loads((out / "result.json").read_text())
     py, cpp = results["eager"], results["libtorch"]
     assert set(py) == set(cpp) == RESULT_KEYS

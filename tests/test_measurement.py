@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from harness import host_noise, report
-from harness.parity import TOLERANCES, compare
-from harness.stats import summarize
+from harness import record as records
+from core.parity import TOLERANCES, compare
+from core.stats import summarize
 
 
 def test_summary_matches_definitions():
@@ -69,11 +70,11 @@ def record(tier="eager", batch=1, host_us=900.0, latency_ms=1.0, run=0, device="
 
 
 def test_bound_labels_a_cell_by_its_share_of_host_time():
-    assert report.bound(record(host_us=800.0, latency_ms=1.0)) == "host"  # exactly the threshold
-    assert report.bound(record(host_us=790.0, latency_ms=1.0)) == "gpu"
-    assert report.bound(record(host_us=100.0, latency_ms=10.0)) == "gpu"
-    assert report.bound(record(device="cpu")) is None
-    assert report.bound(record(status="crashed")) is None
+    assert records.bound(record(host_us=800.0, latency_ms=1.0)) == "host"  # exactly the threshold
+    assert records.bound(record(host_us=790.0, latency_ms=1.0)) == "gpu"
+    assert records.bound(record(host_us=100.0, latency_ms=10.0)) == "gpu"
+    assert records.bound(record(device="cpu")) is None
+    assert records.bound(record(status="crashed")) is None
 
 
 def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
@@ -111,7 +112,7 @@ def test_host_noise_coincidence_counts_slow_windows():
 
 
 def test_median_confidence_interval_is_the_order_statistics_interval():
-    from harness.stats import median_ci_bounds, median_ci_rel
+    from core.stats import median_ci_bounds, median_ci_rel
 
     samples = [float(v) for v in range(1, 101)]  # ranks 40 and 61 (1-based) bound the median of 100 at 95%
     assert median_ci_bounds(100) == (39, 60)
@@ -121,7 +122,7 @@ def test_median_confidence_interval_is_the_order_statistics_interval():
 
 
 def test_failure_status_names_an_allocator_refusal_oom():
-    from harness.runner import failure_status
+    from harness.failures import failure_status
 
     assert failure_status(1, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "")[0] == "oom"
     assert failure_status(1, "RuntimeError: [enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
@@ -139,7 +140,7 @@ def test_parity_on_the_ladder_weights_tells_another_input_from_rounding(model, r
     computed on another input (a misread layout, a stale buffer) fails at every dtype, while the network run
     in bf16 passes. With torchvision's identity batch-norm, ResNet-50's logits for two inputs were 1.5% apart,
     inside the tf32 and bf16 tolerances."""
-    from harness.model import build_model, make_input
+    from core.model import build_model, make_input
 
     net = build_model(model)
     x, other = make_input(2, res), make_input(2, res, seed=1)

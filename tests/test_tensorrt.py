@@ -15,11 +15,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from harness.model import build_model, make_input
+from core.model import build_model, make_input
 from harness.worker import prepare_input
 from tests.conftest import REPO, ladder, records
-from tiers.base import Cell
-from tiers.onnx_export import bound_input, export_onnx
+from core.cell import Cell
+from tiers.exports.onnx import bound_input, export_onnx
 from tiers.ort_tensorrt import TIER as ORT_TRT
 from tiers.tensorrt import TIER as TRT
 from tiers.tensorrt import _import, engine_key, onnx_digest, profile_shapes

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, ladder, records
-from harness import train
-from harness.model import build_model, num_classes, weights_state
-from tiers.base import Cell
+from core import train
+from core.model import build_model, num_classes, weights_state
+from core.cell import Cell
 
 CELL = Cell(tier="eager", model="resnet18", batch=8, res=64, device="cpu", task="train")
 

@@ -12,11 +12,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
-from harness.model import build_model  # noqa: E402
+from core.model import build_model  # noqa: E402
 from kernels.triton.conv import conv2d, pack_conv  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
-from tiers.base import Cell  # noqa: E402
+from core.cell import Cell  # noqa: E402
 from tiers.triton import TIER  # noqa: E402
 
 

@@ -1,11 +1,15 @@
-"""Registry of rungs: every module in this package that defines TIER (or TIERS) is a rung."""
+"""Registry of rungs: every module directly in this package that defines TIER (or TIERS) is a rung; `base` is the
+interface and `exports/` (a sub-package) holds the exports that several rungs share. Built once per process."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import os
 import pkgutil
 
-from tiers.base import Cell, Tier, Unavailable  # noqa: F401  (re-exported: the interface)
+from core.cell import Cell
+from tiers.base import Tier
 
 # The ladder's order, from most abstract to least; rungs not listed here follow alphabetically.
 LADDER_ORDER = ("eager", "torchscript", "compile", "aot-inductor", "onnxruntime", "tensorrt", "ort-tensorrt",
@@ -15,8 +19,7 @@ LADDER_ORDER = ("eager", "torchscript", "compile", "aot-inductor", "onnxruntime"
 def _modules() -> list[str]:
     """This package's rung modules, plus any named in LADDER_EXTRA_TIERS (comma list of importable modules:
     rungs kept outside the package, such as the deliberately failing rungs of the test suite)."""
-    names = [f"tiers.{m.name}" for m in pkgutil.iter_modules(__path__)
-             if m.name != "base" and not m.name.endswith("_export")]
+    names = [f"tiers.{m.name}" for m in pkgutil.iter_modules(__path__) if not m.ispkg and m.name != "base"]
     return names + [m for m in os.environ.get("LADDER_EXTRA_TIERS", "").split(",") if m]
 
 
@@ -32,6 +35,7 @@ class Broken(Tier):
         return self.reason
 
 
+@functools.cache
 def all_tiers() -> dict[str, Tier]:
     found: dict[str, Tier] = {}
     for name in _modules():
@@ -52,3 +56,11 @@ def get_tier(name: str) -> Tier:
     if name not in tiers:
         raise ValueError(f"unknown tier {name!r}; valid: {', '.join(tiers)}")
     return tiers[name]
+
+
+def identity(cell: Cell) -> str:
+    """The cell's key with every option at its rung's default left out: what makes two cells one measurement, for
+    resume and for merged reports (`--option onnxruntime:conv-algo-search=EXHAUSTIVE` and no option)."""
+    rung = all_tiers().get(cell.tier)
+    kept = tuple((k, v) for k, v in cell.options if not (rung and v == rung.option_default(k)))
+    return dataclasses.replace(cell, options=kept).key

@@ -1,6 +1,6 @@
 """Rungs `aot-inductor` and `aot-inductor-cpp`: torch.export + AOTInductor, TorchScript's successor for deployment.
 
-Both run the same `.pt2` package (tiers/aot_inductor_export.py: export with a dynamic batch, compile ahead of time,
+Both run the same `.pt2` package (tiers/exports/aot_inductor.py: export with a dynamic batch, compile ahead of time,
 cached by the weights' digest): `aot-inductor` loads it with torch._inductor.aoti_load_package and calls it from
 Python; `aot-inductor-cpp` is a C++ program of ours (cpp/libtorch/ladder_aoti_cpp.cpp) that loads it with
 torch::inductor::AOTIModelPackageLoader, with no Python in the process. The deployment life cycle's costs are in
@@ -8,18 +8,20 @@ build_stats: export_s, aot_compile_s and package_bytes as measured when the pack
 builds it; `cached` says whether the cell found it built), package_load_s (the load in a fresh process: the
 deployment's cold start; in Python its first call also imports Inductor's runtime).
 Options `--option aot-inductor:mode=default|max-autotune`, `batch-dim=dynamic|static` and
-`runner=single-threaded|pooled` (the same for the C++ rung; tiers/aot_inductor_export.py). A CUDA package skips
-Inductor's CPU-ISA probes, which it has no use for (tiers/aot_inductor_export.py `compile_configs`)."""
+`runner=single-threaded|pooled` (the same for the C++ rung; tiers/exports/aot_inductor.py). A CUDA package skips
+Inductor's CPU-ISA probes, which it has no use for (tiers/exports/aot_inductor.py `compile_configs`)."""
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
-from tiers.aot_inductor_export import OPTIONS, missing_api, option, package
-from tiers.base import Built, Cell, PythonTier
+import torch
+
+from core.cell import Built, Cell
+from tiers.base import PythonTier
+from tiers.exports.aot_inductor import OPTIONS, missing_api, option, package
 from tiers.libtorch import LibTorch, export_process
 
 
@@ -40,17 +42,13 @@ class AotInductor(PythonTier):
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
 
     def availability(self, device: str) -> str | None:
-        import torch
-
         if device == "cuda" and torch.__version__ in PYTHON_LOADER_CRASHES_ON_CUDA:
             return (f"torch {torch.__version__}'s aoti_load_package crashes (SIGSEGV) loading any CUDA package; the "
                     "C++ loader runs the same package: aot-inductor-cpp (docs/notes/aoti-python-cuda-crash.md)")
         return missing_api()
 
-    def build(self, model, example, cell):
-        import torch
-
-        cache = Path(os.environ.get("LADDER_CACHE_DIR") or tempfile.mkdtemp(prefix="ladder-aoti-"))
+    def build(self, model, example, cell, store):
+        cache = store.cache or Path(tempfile.mkdtemp(prefix="ladder-aoti-"))
         path, facts = package(model, example, cell, cache)
         facts["runner"] = option(cell, "runner")
         t = time.perf_counter()
@@ -63,6 +61,7 @@ class AotInductor(PythonTier):
 
 
 class AotInductorCpp(LibTorch):
+    prepares_files = True
     name = "aot-inductor-cpp"
     summary = "the aot-inductor rung's .pt2 package, loaded with AOTIModelPackageLoader and run from C++; no Python"
     models = None
@@ -77,14 +76,9 @@ class AotInductorCpp(LibTorch):
     def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
         """The package, built (or found) in the Python rung's cache by a process of its own: both rungs load one
         package, and the parent keeps no CUDA context while the child is measured."""
-        from harness.runner import cache_env  # here, in the parent: rung processes import this module too
-
         shared = Path(cache).parent / AotInductor.name
-        # Inductor's and Triton's caches in the run's cache directory, as the Python rung's: a package compiled
-        # here is compiled cold, whatever earlier runs left on the machine.
-        facts = export_process("tiers.aot_inductor_export", "AOTInductor package", [
-            "--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--cache", str(shared)],
-            env=cache_env(shared, None))
+        facts = export_process("tiers.exports.aot_inductor", "AOTInductor package", [
+            "--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--cache", str(shared)])
         return {"pt2-path": facts["path"], "cached": str(int(facts["cached"])), "export-s": f"{facts['export_s']:.3f}",
                 "aot-compile-s": f"{facts['aot_compile_s']:.3f}", "package-bytes": str(facts["package_bytes"]),
                 "traced-batch": str(facts["traced_batch"])}

@@ -16,10 +16,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.cbuild import build_dir, cmake_build, sources_missing
-from tiers.base import Cell, ExternalTier, Unavailable
+import torch
+
+from core.cbuild import build_dir, cmake_build, sources_missing
+from core.cell import Cell, Unavailable
+from core.model import build_model, make_input, write_input, write_weights
+from tiers.base import ExternalTier
 
 TOOLKIT = Path("/usr/local/cuda")
+MICRO_REPS = 20  # timed runs of each convolution in `micro`
 
 
 def _wheel_dirs() -> list[Path]:
@@ -104,8 +109,6 @@ def _cuda_arch() -> str:
     """LADDER_CUDA_ARCH if set, else the GPU's compute capability, else 90 (H100)."""
     if os.environ.get("LADDER_CUDA_ARCH"):
         return os.environ["LADDER_CUDA_ARCH"]
-    import torch
-
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         return f"{major}{minor}"
@@ -120,6 +123,7 @@ class CudnnTier(ExternalTier):
     summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
     models = ("resnet50",)
     cuda_graph = True
+    has_micro = True
 
     def availability(self, device: str) -> str | None:
         if device != "cuda":
@@ -133,15 +137,13 @@ class CudnnTier(ExternalTier):
         return None
 
     def _key(self) -> dict[str, str]:
-        import torch
-
         tc = toolchain()
         return {"cudnn": tc.cudnn_version, "cuda": tc.cuda_version, "torch": torch.__version__, "arch": _cuda_arch()}
 
     def built(self, cell: Cell) -> bool:
         return self.availability("cuda") is None and (build_dir("cudnn", self._key(), "ladder_cudnn") / "ladder_cudnn").exists()
 
-    def build(self) -> Path:
+    def binary(self) -> Path:
         """The rung's binary, built once per toolchain and source digest."""
         tc = toolchain()
         arch = _cuda_arch()
@@ -155,21 +157,19 @@ class CudnnTier(ExternalTier):
         ], "ladder_cudnn")
 
     def command(self, cell: Cell) -> list[str]:
-        return [str(self.build())]
+        return [str(self.binary())]
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, reps: int = 20) -> list[dict]:
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
         """Each distinct convolution of ResNet-50 (shape and fused epilogue) timed alone with the engine the rung
-        chose: shape, engine, median ms over `reps`, TFLOP/s, and how many layers share it."""
-        from harness.model import build_model, make_input, write_input, write_weights
-
+        chose: shape, engine, median ms over MICRO_REPS, TFLOP/s, and how many layers share it."""
         with tempfile.TemporaryDirectory() as tmp:
             weights, inputs = Path(tmp) / "weights.safetensors", Path(tmp) / "input.safetensors"
             write_weights(build_model("resnet50"), weights)
             write_input(make_input(batch, res), inputs)
-            proc = subprocess.run([str(self.build()), "--micro", "1", "--weights", str(weights), "--input",
+            proc = subprocess.run([str(self.binary()), "--micro", "1", "--weights", str(weights), "--input",
                                    str(inputs), "--batch", str(batch), "--res", str(res), "--dtype", dtype,
                                    "--channels-last", "1" if channels_last else "0", "--device", "cuda",
-                                   "--option", f"micro-reps={reps}"], capture_output=True, text=True)
+                                   "--option", f"micro-reps={MICRO_REPS}"], capture_output=True, text=True)
         for line in proc.stdout.splitlines():
             if line.startswith("@@micro "):
                 return json.loads(line[len("@@micro "):])

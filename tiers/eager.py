@@ -1,6 +1,10 @@
 """Rung `eager`: the torchvision model called from Python, under torch.inference_mode (the reference); in
-training, the step of harness/train.py on the module as it is."""
-from tiers.base import Built, PythonTier, place_model
+training, the step of core/train.py on the module as it is."""
+from core import train
+from core.cell import Built
+from core.model import num_classes
+from core.placement import place_model
+from tiers.base import PythonTier
 
 
 class Eager(PythonTier):
@@ -8,16 +12,12 @@ class Eager(PythonTier):
     summary = "PyTorch eager (inference_mode)"
     cuda_graph = True
     batch_change = True
-
     cannot_train = None
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         return Built(forward=place_model(model, cell))
 
-    def build_train(self, model, example, cell, lr=None):
-        from harness import train
-        from harness.model import num_classes
-
+    def build_train(self, model, example, cell, store, lr=None):
         net = train.place_for_training(model, cell)
         return train.built_step(net, net, cell, num_classes(net), lr)
 

@@ -10,9 +10,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from harness import proc as procs
-from harness.cbuild import REPO, build_dir, cmake_build, sources_missing
-from tiers.base import Cell, ExternalTier, Unavailable
+import torch
+
+from core import proc as procs
+from core.cbuild import build_dir, cmake_build, sources_missing
+from core.paths import REPO
+from core.cell import Cell, Unavailable
+from tiers.base import ExternalTier
 
 
 def _cuda_home() -> Path | None:
@@ -25,8 +29,6 @@ def _cuda_home() -> Path | None:
 
 def _missing() -> str | None:
     """Why the C++ project cannot be built here, or None."""
-    import torch
-
     if sources_missing():
         return sources_missing()
     for tool in ("cmake", "c++"):
@@ -43,11 +45,11 @@ def _missing() -> str | None:
     return None
 
 
-def export_process(module: str, what: str, args: list[str], env: dict[str, str] | None = None) -> dict:
+def export_process(module: str, what: str, args: list[str]) -> dict:
     """Runs `python -m module args` (an export for a C++ rung) in a process of its own, so that the parent keeps no
     CUDA context while the child is measured; returns the JSON facts it prints on its last line."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    proc = procs.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = procs.run([sys.executable, "-m", module, *args], cwd=REPO, env=procs.child_env(), capture_output=True,
+                     text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -71,16 +73,12 @@ class LibTorch(ExternalTier):
         return reason
 
     def _key(self) -> dict[str, str]:
-        import torch
-
         return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(_cuda_home().resolve())}
 
     def built(self, cell: Cell) -> bool:
         return _missing() is None and (build_dir("libtorch", self._key(), self.target) / self.target).exists()
 
     def command(self, cell: Cell) -> list[str]:
-        import torch
-
         reason = _missing()
         if reason:
             raise Unavailable(reason)
@@ -91,6 +89,7 @@ class LibTorch(ExternalTier):
 
 
 class TorchScriptCpp(LibTorch):
+    prepares_files = True
     name = "torchscript-cpp"
     cannot_train = ("it runs a frozen module (weights are constants); TorchScript trains from Python in the "
                     "torchscript rung")
@@ -99,9 +98,10 @@ class TorchScriptCpp(LibTorch):
     target = "ladder_torchscript_cpp"
 
     def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
-        """Exports the cell's TorchScript module into `workdir` in a process of its own (tiers/torchscript_export.py)."""
+        """Exports the cell's TorchScript module into `workdir` in a process of its own
+        (tiers/exports/torchscript.py)."""
         out = Path(workdir) / "model.torchscript.pt"
-        facts = export_process("tiers.torchscript_export", "TorchScript export",
+        facts = export_process("tiers.exports.torchscript", "TorchScript export",
                                ["--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--out", str(out)])
         return {"ts-path": str(out), "export-s": f"{facts['torchscript_export_s']:.3f}"}
 

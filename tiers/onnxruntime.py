@@ -7,8 +7,9 @@ import tempfile
 
 import torch
 
-from tiers.base import Built, PythonTier
-from tiers.onnx_export import bound_input, export_onnx
+from core.cell import Built
+from tiers.base import PythonTier
+from tiers.exports.onnx import bound_input, export_onnx
 
 
 # Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
@@ -47,16 +48,17 @@ class OnnxRuntime(PythonTier):
             return BF16_EXPORT
         return super().supports(cell)
 
-    def provider_options(self, cell, stream) -> dict:
+    def provider_options(self, cell, stream, store) -> dict:
         return {"device_id": str(torch.cuda.current_device()), "user_compute_stream": str(stream.cuda_stream),
-                "use_tf32": "1" if cell.dtype == "tf32" else "0", "cudnn_conv_algo_search": cell.option("conv-algo-search", "EXHAUSTIVE"),
+                "use_tf32": "1" if cell.dtype == "tf32" else "0",
+                "cudnn_conv_algo_search": cell.option("conv-algo-search", self.option_default("conv-algo-search")),
                 "prefer_nhwc": "1" if cell.channels_last else "0"}
 
-    def providers(self, cell, stream) -> list:
+    def providers(self, cell, stream, store) -> list:
         """The execution providers in ORT's order of preference (a variant rung may put another first)."""
-        return [(self.provider, self.provider_options(cell, stream)), "CPUExecutionProvider"]
+        return [(self.provider, self.provider_options(cell, stream, store)), "CPUExecutionProvider"]
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         import onnxruntime as ort
 
         workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
@@ -75,7 +77,7 @@ class OnnxRuntime(PythonTier):
                          stream_description="host (CPU execution provider)", uses_torch_allocator=False)
 
         stream = torch.cuda.Stream()
-        session = ort.InferenceSession(str(path), so, providers=self.providers(cell, stream))
+        session = ort.InferenceSession(str(path), so, providers=self.providers(cell, stream, store))
         elem = ort_element_type(example.dtype)
         if elem is None:
             raise ValueError(f"no IO-binding element type for {example.dtype} in onnxruntime's Python API")

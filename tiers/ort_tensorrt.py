@@ -2,7 +2,7 @@
 file, IO binding and stream, but ORT hands the graph to TensorRT and runs the engine it builds. Nodes TensorRT
 rejects fall back to the CUDA EP on the same stream. No precision flags are set: the graph is exported in the
 cell's dtype, and without trt_fp16/bf16_enable ORT builds a strongly typed network, as the `tensorrt` rung does.
-The profile is the `tensorrt` rung's; ORT keeps its engines and timing cache under the TensorRT cache directory."""
+The profile is the `tensorrt` rung's; ORT keeps its engines and timing cache in the rung's cache directory."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +27,7 @@ class OrtTensorRT(OnnxRuntime):
     name = "ort-tensorrt"
     cannot_train = 'TensorRT is an inference engine (no backward pass)'
     options = {**OnnxRuntime.options, "trt-max-batch": None}  # the CUDA EP's option for nodes TensorRT rejects
+    caches = ("engines", "timing cache")  # TensorRT's, built by ORT in the rung's cache directory
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"
 
@@ -56,12 +57,12 @@ class OrtTensorRT(OnnxRuntime):
             return "ORT's TensorRT EP cannot turn TensorRT's TF32 off, so it runs tf32, not strict fp32"
         return super().supports(cell)
 
-    def provider_options(self, cell, stream) -> dict:
+    def provider_options(self, cell, stream, store) -> dict:
         import onnxruntime as ort
 
         gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_capability())
         # ORT names its engine files by graph and profile; the directory adds what it leaves out.
-        cache = cache_dir() / "ort" / hashlib.sha256(repr((ort.__version__, gpu)).encode()).hexdigest()[:16]
+        cache = cache_dir(store) / "ort" / hashlib.sha256(repr((ort.__version__, gpu)).encode()).hexdigest()[:16]
         cache.mkdir(parents=True, exist_ok=True)
         low, opt, high = ("input:" + "x".join(map(str, s)) for s in profile_shapes(cell))
         return {"device_id": str(torch.cuda.current_device()), "user_compute_stream": str(stream.cuda_stream),
@@ -69,13 +70,13 @@ class OrtTensorRT(OnnxRuntime):
                 "trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
                 "trt_timing_cache_enable": "True", "trt_timing_cache_path": str(cache)}
 
-    def providers(self, cell, stream) -> list:
-        cuda = (OnnxRuntime.provider, super().provider_options(cell, stream))
-        return [(self.provider, self.provider_options(cell, stream)), cuda, "CPUExecutionProvider"]
+    def providers(self, cell, stream, store) -> list:
+        cuda = (OnnxRuntime.provider, super().provider_options(cell, stream, store))
+        return [(self.provider, self.provider_options(cell, stream, store)), cuda, "CPUExecutionProvider"]
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         preload_tensorrt()
-        return super().build(model, example, cell)
+        return super().build(model, example, cell, store)
 
 
 TIER = OrtTensorRT()

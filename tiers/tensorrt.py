@@ -1,11 +1,11 @@
-"""Rung `tensorrt`: the ONNX model of the `onnxruntime` rung (tiers/onnx_export.py) built into a TensorRT engine
+"""Rung `tensorrt`: the ONNX model of the `onnxruntime` rung (tiers/exports/onnx.py) built into a TensorRT engine
 with the `tensorrt` Python API and run with execute_async_v3 on a torch side stream, reading and writing torch's
 device buffers directly (no copies, no allocator of its own between calls).
 
 Precision comes from the graph: the ONNX is exported in the cell's dtype and parsed into a *strongly typed*
 network, so TensorRT computes in exactly the types the graph names; TF32 is allowed for `tf32` cells only.
 The optimisation profile covers batch 1 .. max(batch, option `trt-max-batch`, default 256), tuned for the cell's
-batch. Engines and the timing cache are kept under <LADDER_CACHE or ~/.cache/tier-ladder>/tensorrt/, keyed by
+batch. Engines and the timing cache are kept in the rung's cache directory (the run's cache/tensorrt/), keyed by
 everything an engine depends on; build_stats says whether the engine was built (and how long that took: the
 rung's JIT overhead) or loaded from the cache.
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from harness.cbuild import CACHE
-from tiers.base import Built, Cell, PythonTier, Unavailable
-from tiers.onnx_export import bound_input, export_onnx
+from core.cell import Built, Cell, Store, Unavailable
+from tiers.base import PythonTier
+from tiers.exports.onnx import bound_input, export_onnx
 from tiers.onnxruntime import BF16_EXPORT
 
 NEEDS_GPU = "TensorRT needs an NVIDIA GPU"
@@ -80,7 +80,7 @@ def load_tensorrt() -> tuple[Any, str | None]:
 def nvml_gpu() -> tuple[str, tuple[int, int]] | None:
     """Name and compute capability of GPU 0 from NVML, which (unlike torch.cuda) creates no CUDA context: the
     parent asks for availability and must stay context-free. None without an NVIDIA driver."""
-    from harness.env import gpu_handle
+    from core.env import gpu_handle
 
     nv, handle = gpu_handle()
     if handle is None:
@@ -95,8 +95,10 @@ def profile_shapes(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...], tuple[
     return tuple((b, *sample) for b in (1, cell.batch, top))
 
 
-def cache_dir() -> Path:
-    return CACHE / "tensorrt"
+def cache_dir(store: Store) -> Path:
+    """Where engines and the timing cache are kept: the rung's cache directory (declared in `caches`, so that
+    --isolation cell empties it and a hit is labelled warm-start), or a fresh one outside a ladder."""
+    return store.cache if store.cache else Path(tempfile.mkdtemp(prefix="ladder-tensorrt-"))
 
 
 def onnx_digest(path: Path) -> str:
@@ -167,6 +169,7 @@ class TensorRT(PythonTier):
     name = "tensorrt"
     cannot_train = 'TensorRT is an inference engine (no backward pass)'
     options = {"trt-max-batch": None}
+    caches = ("engines", "timing cache")
     summary = "TensorRT engine from the ONNX export (strongly typed), execute_async_v3 on a torch stream"
 
     def availability(self, device):
@@ -186,7 +189,7 @@ class TensorRT(PythonTier):
             return BF16_EXPORT
         return super().supports(cell)
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         trt, reason = load_tensorrt()
         if reason:
             raise Unavailable(reason)
@@ -195,7 +198,7 @@ class TensorRT(PythonTier):
         shapes = profile_shapes(cell)
         version = f"{trt.__name__} {trt.__version__}"
         gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-        root = cache_dir()
+        root = cache_dir(store)
         root.mkdir(parents=True, exist_ok=True)
         key = engine_key(cell.model, onnx_digest(path), shapes, cell.dtype, version, gpu)
         engine_file = root / f"{cell.model}-{cell.dtype}-{key}.engine"

@@ -1,10 +1,17 @@
 """Rung `torchscript`: the model traced, frozen and optimize_for_inference'd, called from Python. In training, the
 model traced in train mode (not frozen: its weights train), stepped through autograd by harness/train.py.
 TorchScript is deprecated (FutureWarning from torch 2.10); the rung stays and reports that status."""
+import time
+import warnings
+
 import torch
 
-from tiers.base import Built, PythonTier, place_model
-from tiers.torchscript_export import export_torchscript
+from core import train
+from core.cell import Built
+from core.model import num_classes
+from core.placement import place_model
+from tiers.base import PythonTier
+from tiers.exports.torchscript import export_torchscript
 
 
 class TorchScript(PythonTier):
@@ -14,7 +21,7 @@ class TorchScript(PythonTier):
     batch_change = True
     cannot_train = None
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         module, facts = export_torchscript(place_model(model, cell), example)
 
         def forward(x):
@@ -23,13 +30,7 @@ class TorchScript(PythonTier):
 
         return Built(forward=forward, stats=facts)
 
-    def build_train(self, model, example, cell, lr=None):
-        import time
-        import warnings
-
-        from harness import train
-        from harness.model import num_classes
-
+    def build_train(self, model, example, cell, store, lr=None):
         net = train.place_for_training(model, cell)
         t = time.perf_counter()
         before = {k: v.clone() for k, v in net.named_buffers()}

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-from tiers.base import Built, Cell, PythonTier, torch_dtype
+import torch
+import torch.nn.functional as F
+
+from core.cell import Built, Cell, Store, layout_name
+from core.placement import memory_format, set_math_mode, torch_dtype
+from tiers.base import PythonTier
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2")
 
@@ -39,6 +43,7 @@ class TritonTier(PythonTier):
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
+    has_micro = True
 
     def availability(self, device: str) -> str | None:
         if device == "cpu":
@@ -49,16 +54,13 @@ class TritonTier(PythonTier):
             return f"triton is not importable: {e}"
         return None
 
-    def build(self, model, example, cell: Cell) -> Built:
-        import torch
-
-        from kernels.triton import tuning
+    def build(self, model, example, cell: Cell, store: Store) -> Built:
+        from kernels.triton import tuning  # Triton itself: imported only where it runs (availability says why not)
         from kernels.triton.resnet import TritonResNet
 
         tune = cell.option("autotune", "on") == "on"
-        cache = os.environ.get("LADDER_CACHE_DIR")
-        tuned_file = Path(cache) / "tuned.json" if cache else None
-        tables = tuning.load_tables(os.environ.get("LADDER_TUNINGS"), tuned_file) if tune else []
+        tuned_file = store.cache / "tuned.json" if store.cache else None
+        tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune)
         before = dict(tuning.STATS)
         start = time.perf_counter()
@@ -86,15 +88,13 @@ class TritonTier(PythonTier):
         """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,
         autotuned) vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor
         (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""
-        import torch
-        import torch.nn.functional as F
         from triton.testing import do_bench
 
         from kernels.triton.conv import conv2d, pack_conv
 
         tdt, precision = torch_dtype(dtype), _precision(dtype)
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        set_math_mode(dtype)
+        fmt = memory_format(channels_last)
         rows = []
         for (cin, cout, k, stride, pad, h, w), count in _conv_shapes(res):
             x = torch.randn(batch, cin, h, w, device="cuda", dtype=tdt).to(memory_format=fmt)
@@ -108,7 +108,7 @@ class TritonTier(PythonTier):
             ho, wo = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
             flop = 2 * batch * ho * wo * cout * cin * k * k
             row = {"shape": f"{k}x{k}/s{stride} {cin}->{cout} @{h}x{w}", "count": count, "batch": batch, "dtype": dtype,
-                   "layout": "nhwc" if channels_last else "nchw", "gflop": round(flop / 1e9, 3)}
+                   "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3)}
             for name, fn in (("triton", lambda: conv2d(nhwc, packed, precision=precision)),
                              ("cudnn", lambda: F.conv2d(x, weight, bias, stride, pad)),
                              ("inductor", lambda: inductor(x))):
@@ -122,9 +122,7 @@ class TritonTier(PythonTier):
 
 def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
     """Distinct convolutions of ResNet-50 at `res` as ((cin, cout, k, stride, pad, h, w), how many), in net order."""
-    import torch
-
-    from harness.model import build_model
+    from core.model import build_model
 
     model, seen = build_model("resnet50"), {}
 

@@ -1,7 +1,7 @@
 // The `aot-inductor-cpp` rung: the AOTInductor package that the Python `aot-inductor` rung runs (torch.export with a
 // dynamic batch, compiled ahead of time by Inductor), loaded with torch::inductor::AOTIModelPackageLoader and run
 // with no Python in the process. The parent builds or finds the package before starting this child
-// (tiers/aot_inductor_export.py) and passes `--option pt2-path=PATH` with the export's costs, which are recorded
+// (tiers/exports/aot_inductor.py) and passes `--option pt2-path=PATH` with the export's costs, which are recorded
 // here so that the deployment's life cycle reads from one record.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
@@ -14,8 +14,8 @@ using namespace ladder_torch;
 std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap&, const HostTensor& input, Json& stats) {
   const std::string path = a.option("pt2-path", "");
   if (path.empty())
-    throw std::runtime_error("aot-inductor-cpp needs --option pt2-path=PATH (written by tiers/aot_inductor_export.py)");
-  // The package's costs, as the Python rung reports them (tiers/aot_inductor_export.py).
+    throw std::runtime_error("aot-inductor-cpp needs --option pt2-path=PATH (written by tiers/exports/aot_inductor.py)");
+  // The package's costs, as the Python rung reports them (tiers/exports/aot_inductor.py).
   stats["export_s"] = std::stod(a.option("export-s", "0"));
   stats["aot_compile_s"] = std::stod(a.option("aot-compile-s", "0"));
   stats["package_bytes"] = std::stoll(a.option("package-bytes", "0"));
@@ -24,7 +24,7 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap&, con
   stats["mode"] = a.option("mode", "default");
   stats["batch_dim"] = a.option("batch-dim", "dynamic");
   stats["package"] = path.substr(path.find_last_of('/') + 1);
-  // tiers/aot_inductor_export.py RUNNERS: single-threaded, or the loader's default pool (each call waits for the
+  // tiers/exports/aot_inductor.py RUNNERS: single-threaded, or the loader's default pool (each call waits for the
   // pooled model's previous call to finish).
   const std::string runner = a.option("runner", "single-threaded");
   if (runner != "single-threaded" && runner != "pooled")

@@ -1,7 +1,7 @@
 // The `libtorch` rung: torchvision's ResNet family written natively with torch::nn, no Python in the process.
 // Module and attribute names follow torchvision exactly, so the contract's weights file (a torchvision
 // state_dict) loads by name: `layer1.0.downsample.1.running_var` is the same path here as there.
-// With --task train each call is the training step of harness/train.py, in C++: BatchNorm in training mode,
+// With --task train each call is the training step of core/train.py, in C++: BatchNorm in training mode,
 // cross-entropy against the same fixed labels, backward, torch::optim::SGD (momentum 0.9, weight decay 1e-4,
 // lr from the contract); bf16 means autocast over fp32 master weights.
 #include <ATen/autocast_mode.h>
@@ -131,9 +131,9 @@ void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, cons
                            some(unexpected) + ", wrong shape " + some(mismatched));
 }
 
-// The training step of harness/train.py (make_step) on `net`, which is on the device in fp32, in train mode.
+// The training step of core/train.py (make_step) on `net`, which is on the device in fp32, in train mode.
 Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch) {
-  const double lr = a.d("lr");  // harness/train.py LEARNING_RATE, through the contract
+  const double lr = a.d("lr");  // core/train.py LEARNING_RATE, through the contract
   auto optimizer = std::make_shared<torch::optim::SGD>(
       net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
   const torch::Tensor labels = (torch::arange(batch, torch::TensorOptions(cfg.device).dtype(torch::kLong)) * 7919) %
@@ -160,7 +160,7 @@ Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch) {
   };
 }
 
-// Parameters and floating-point buffers by name, as harness/train.py state_of.
+// Parameters and floating-point buffers by name, as core/train.py state_of.
 ladder::TensorMap state_of(torch::nn::Module& net) {
   ladder::TensorMap out;
   for (auto& p : net.named_parameters()) out["param." + p.key()] = TorchRung::host_fp32(p.value());

@@ -85,7 +85,7 @@ struct Rung {
   virtual size_t output_bytes() const = 0;
   virtual HostTensor output_fp32() = 0;          // logits of the last forward, synchronised, as fp32
   // The output file's tensors: the logits of the first forward or, for a training step (--task train), the loss of
-  // each of the --parity-steps first steps and the state after them, named as harness/train.py output_tensors.
+  // each of the --parity-steps first steps and the state after them, named as core/train.py output_tensors.
   virtual TensorMap result_tensors() { return {{"output", output_fp32()}}; }
   virtual void reset_memory_peak() {}
   virtual void report_memory(Json& memory) { (void)memory; }  // allocator peaks, workspace, activations...
@@ -136,7 +136,7 @@ inline double median_of(std::vector<double> v) {
 }
 
 // Half-width of the median's distribution-free 95% confidence interval relative to the median: order statistics
-// at ranks (n - z*sqrt(n))/2 and 1 + (n + z*sqrt(n))/2 (1-based), as harness/stats.py median_ci_rel.
+// at ranks (n - z*sqrt(n))/2 and 1 + (n + z*sqrt(n))/2 (1-based), as core/stats.py median_ci_rel.
 inline double median_ci_rel(std::vector<double> v) {
   const size_t n = v.size();
   if (n < 3) return INFINITY;

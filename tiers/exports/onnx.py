@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from tiers.base import Cell, place_model
+from core.cell import Cell
+from core.placement import place_model
 
 
 class NHWCInput(torch.nn.Module):

@@ -1,7 +1,7 @@
 """The TorchScript module of the `torchscript` rung (run from Python) and of the `torchscript-cpp` rung (run from C++).
 
 `export_torchscript` is the one recipe both use: trace, freeze, optimize_for_inference. For `torchscript-cpp` the
-parent exports before starting the C++ child with `python -m tiers.torchscript_export --cell JSON --weights W
+parent exports before starting the C++ child with `python -m tiers.exports.torchscript --cell JSON --weights W
 --out PATH`, in a process of its own: the trace runs on the cell's device, and the parent must not keep a CUDA
 context and cached allocator blocks of its own while the child is measured. The file holds the frozen module and
 the loader applies optimize_for_inference itself (torch::jit::optimize_for_inference in C++): on the CPU that pass
@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from tiers.base import Cell, place_model, zero_example
+from core.cell import Cell
+from core.model import load_model
+from core.placement import place_model, zero_example
 
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
                        path: Path | None = None) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
@@ -45,8 +47,6 @@ def main() -> None:
     p.add_argument("--weights", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    from harness.model import load_model
-
     cell = Cell.from_dict(json.loads(a.cell))
     model = place_model(load_model(cell.model, a.weights), cell)
     _, facts = export_torchscript(model, zero_example(cell), a.out)

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from harness.host_noise import host_cpu_probe
+from core.paths import REPO
 
 # Datasheet dense (no sparsity) peaks in TFLOP/s, for 'share of peak'; the run also measures cuBLAS's rate.
 DATASHEET_PEAK_TFLOPS = {
@@ -59,8 +59,7 @@ def datasheet_peak(gpu_name: str | None) -> dict[str, float] | None:
     return None
 
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ("pyproject.toml", "harness", "tiers", "kernels", "cpp", "bench")
+SOURCE = ("pyproject.toml", "core", "harness", "tiers", "kernels", "cpp", "bench")
 
 
 def utc_now() -> str:
@@ -72,8 +71,8 @@ def files_digest(*paths: Path) -> str:
     h = hashlib.sha256()
     for path in paths:
         for f in sorted([path] if path.is_file() else path.rglob("*")):
-            if f.is_file() and not {"build", "__pycache__"} & set(f.relative_to(ROOT).parts):
-                h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+            if f.is_file() and not {"build", "__pycache__"} & set(f.relative_to(REPO).parts):
+                h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -82,10 +81,10 @@ def source_revision() -> dict[str, Any]:
     """Which code measured: the git commit where the checkout has its .git, and always a digest of the source files
     (a copied tree can carry an older .git: then git_dirty is true and only the digest names the code).
     Computing it in a checkout of commit C tells whether C is the digest's code."""
-    out: dict[str, Any] = {"digest": files_digest(*(ROOT / p for p in SOURCE))[:16], "git_commit": None,
+    out: dict[str, Any] = {"digest": files_digest(*(REPO / p for p in SOURCE))[:16], "git_commit": None,
                            "git_dirty": None}
     try:
-        git = ["git", "-C", str(ROOT)]
+        git = ["git", "-C", str(REPO)]
         out["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
                                            check=True).stdout.strip()
         out["git_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
@@ -95,7 +94,8 @@ def source_revision() -> dict[str, Any]:
     return out
 
 
-def environment(device: str, host_probe: bool = False) -> dict[str, Any]:
+def environment(device: str, host_cpu: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What measured: code, host, software, GPU; `host_cpu`: the host's steadiness (harness.host_noise), if probed."""
     import torch
 
     env: dict[str, Any] = {
@@ -116,7 +116,7 @@ def environment(device: str, host_probe: bool = False) -> dict[str, Any]:
         "tensorrt": _version("tensorrt"),
         "device": device,
         "gpu": None,
-        "host_cpu": host_cpu_probe() if host_probe else None,
+        "host_cpu": host_cpu,
     }
     try:
         import onnxruntime
@@ -170,3 +170,8 @@ def device_slug(env: dict[str, Any]) -> str:
     """Folder name under results/ for this device, e.g. 'nvidia-h100-80gb-hbm3' or 'cpu'."""
     name = env["gpu"]["name"] if env.get("gpu") else "cpu"
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
+
+
+def default_device() -> str:
+    """'cuda' where NVML finds an NVIDIA GPU, else 'cpu' (without creating a CUDA context)."""
+    return "cuda" if gpu_handle()[1] is not None else "cpu"

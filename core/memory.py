@@ -10,7 +10,7 @@ def activation_bytes_per_image(model_name: str, res: int) -> int:
     largest module output (a block's input, its branch and the skip), measured on the meta device (no memory)."""
     import torch
 
-    from harness.model import skeleton
+    from core.model import skeleton
 
     with torch.device("meta"):
         model = skeleton(model_name).eval()

@@ -8,12 +8,10 @@ import shutil
 import time
 from pathlib import Path
 
-from harness import proc as procs
-from harness.env import files_digest
-from tiers.base import Unavailable
-
-REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("LADDER_CACHE", Path.home() / ".cache" / "tier-ladder"))
+from core import proc as procs
+from core.env import files_digest
+from core.cell import Unavailable
+from core.paths import REPO, USER_CACHE
 
 
 def require_tools(*tools: str) -> None:
@@ -39,7 +37,7 @@ def build_dir(project: str, key: dict[str, str], target: str) -> Path:
     two targets of a project build side by side)."""
     digest = files_digest(REPO / "cpp" / project, REPO / "cpp" / "common")[:12]
     tag = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:8]
-    return CACHE / "build" / f"{project}-{target}-{tag}-{digest}"
+    return USER_CACHE / "build" / f"{project}-{target}-{tag}-{digest}"
 
 
 def cmake_build(project: str, key: dict[str, str], cmake_args: list[str], target: str) -> Path:

@@ -10,7 +10,7 @@ weights the usual 0.1 x batch / 256 is chaotic: on the H100 at ResNet-50 batch 2
 (the same step, rounded differently) were 40% apart in conv1's weights after 3 steps (docs/notes/training-parity.md).
 train-to-accuracy, which trains for real, uses that usual rate.
 
-Training starts from the run's weights with each residual branch zero-initialised (harness.model.zero_init_residual,
+Training starts from the run's weights with each residual branch zero-initialised (core.model.zero_init_residual,
 the usual ResNet training init): from the random weights themselves, even eager fp32 in NHWC and in NCHW disagree on
 the first gradient (docs/notes/training-parity.md).
 
@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from core.cell import Built
 
 K_STEPS = 3
 LEARNING_RATE = 1e-3
@@ -93,8 +95,6 @@ def built_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch
                num_classes: int, lr: float | None = None, stats: dict | None = None) -> Any:
     """What a rung's build_train returns: the step of make_step as `forward`, the state of `params_of`, and the
     memory the rung knows of (besides `stats`)."""
-    from tiers.base import Built
-
     return Built(forward=make_step(forward, params_of, cell, num_classes, lr), state=lambda: state_of(params_of),
                  stats={**(stats or {}), "memory": memory_split(params_of)})
 

@@ -10,7 +10,7 @@ def flops_per_image(model_name: str, res: int) -> int:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from harness.model import skeleton
+    from core.model import skeleton
 
     with torch.device("meta"):
         model = skeleton(model_name).eval()

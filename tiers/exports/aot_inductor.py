@@ -7,7 +7,7 @@ compiles kernels for a symbolic batch, tuned on batch TRACE_BATCH) or, with opti
 per batch size (as torch.compile specialises its graphs), then torch._inductor.aoti_compile_and_package to a
 `.pt2` file. Packages are cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the
 weights' digest, the model, dtype, layout, device, mode, torch version and the batch it is traced on; a hit costs
-neither export nor compile. For `aot-inductor-cpp` the parent runs `python -m tiers.aot_inductor_export --cell
+neither export nor compile. For `aot-inductor-cpp` the parent runs `python -m tiers.exports.aot_inductor --cell
 JSON --weights W --cache DIR` in a process of its own, as torchscript-cpp's export does."""
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from tiers.base import Cell, place_model, zero_example
+from core.cell import Cell, Store
+from core.model import load_model
+from core.placement import place_model, zero_example
 
 # The rungs' options (`--option aot-inductor:KEY=VALUE`, the same for aot-inductor-cpp), each value's default first.
 OPTIONS = {
@@ -142,9 +144,10 @@ def main() -> None:
     p.add_argument("--weights", type=Path, required=True)
     p.add_argument("--cache", type=Path, required=True)
     a = p.parse_args()
-    from harness.model import load_model
-
     cell = Cell.from_dict(json.loads(a.cell))
+    # Inductor's and Triton's caches in the run's cache directory, as the Python rung's: a package compiled here is
+    # compiled cold, whatever earlier runs left on the machine.
+    os.environ.update(Store(cache=a.cache).library_env())
     path, facts = package(load_model(cell.model, a.weights), zero_example(cell), cell, a.cache)
     print(json.dumps({"path": str(path), **facts}))  # the parent reads the last line
 

@@ -1,0 +1,83 @@
+"""The child contract of docs/protocol.md, written once: the protocol's knobs, the command line of a child, the lines
+it prints and the keys of the result file it writes. harness/worker.py (Python rungs) implements it and
+cpp/common/ladder/protocol.h (C++ rungs) mirrors it; tests/test_libtorch.py checks both against these constants."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from core import train
+from core.cell import Cell
+
+# The phases a child announces, in order (`@@phase NAME`); `hot` follows `after` in the cell that measures the hot
+# start. The parent keeps NVML and /proc out of TIMED_PHASES.
+PHASES = ("load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done")
+TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
+# The keys of a measured cell's result file (--result).
+RESULT_KEYS = frozenset({"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory",
+                         "util", "rss_peak_bytes"})
+# What a child prints on stdout for the parent: which cell of a `--cells` list begins, which phase, what failed.
+CELL, PHASE, ERROR = "@@cell ", "@@phase ", "@@error "
+
+
+@dataclass
+class Protocol:
+    """The knobs of docs/protocol.md; the same values go to every rung's child."""
+
+    warmup_min: int = 5
+    warmup_max: int = 200
+    warmup_s: float = 1.0
+    iters: int = 10
+    min_time_s: float = 0.1
+    max_time_s: float = 1.0
+    max_iters: int = 5000
+    precision: float = 0.01
+    pipelined_iters: int = 5
+    pipelined_s: float = 0.25
+    e2e_iters: int = 3
+    util_s: float = 0.3
+    timeout_s: float = 900.0  # the parent's, not the child's: a cell without a result after this is killed
+
+    def args(self) -> list[str]:
+        out = []
+        for f in dataclasses.fields(self):
+            if f.name != "timeout_s":
+                out += [f"--{f.name.replace('_', '-')}", str(getattr(self, f.name))]
+        return out
+
+
+def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protocol: Protocol,
+                  extra: dict[str, str] | None = None) -> list[str]:
+    """The child's command line (files: weights, input, output, result; extra: cache-dir, tunings, hot-start, ...)."""
+    return program + [
+        "--tier", cell.tier, "--model", cell.model, "--batch", str(cell.batch), "--res", str(cell.res),
+        "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)),
+        "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device, "--task", cell.task,
+        *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
+        *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args(),
+        *(("--parity-steps", str(train.K_STEPS), "--lr", repr(train.LEARNING_RATE)) if cell.task == "train" else ()),
+        *(a for k, v in (extra or {}).items() for a in (f"--{k}", v))]
+
+
+def parse_argv(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """A child's command line back into (the contract's values by name, the rung's options)."""
+    if len(argv) % 2:
+        raise SystemExit(f"expected --key value pairs, got {argv}")
+    kv: dict[str, str] = {}
+    options: dict[str, str] = {}
+    for key, value in zip(argv[::2], argv[1::2]):
+        if not key.startswith("--"):
+            raise SystemExit(f"bad argument {key}")
+        if key == "--option":
+            k, _, v = value.partition("=")
+            options[k] = v
+        else:
+            kv[key[2:]] = value
+    return kv, options
+
+
+def cell_of(kv: dict[str, str], options: dict[str, str]) -> Cell:
+    return Cell(tier=kv["tier"], model=kv["model"], batch=int(kv["batch"]), res=int(kv["res"]), dtype=kv["dtype"],
+                channels_last=kv["channels-last"] == "1", cuda_graph=kv["cuda-graph"] == "1", device=kv["device"],
+                options=tuple(sorted(options.items())), task=kv.get("task", "infer"))

@@ -1,0 +1,33 @@
+"""Why a child ended without a result: its status ('oom', 'crashed', 'error') and reason in one line."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+OOM_WORDS = ("out of memory", "outofmemoryerror", "cudaerrormemoryallocation", "std::bad_alloc", "cannot allocate")
+
+
+def cgroup_oom_kills() -> int | None:
+    """The kernel OOM killer's count for this cgroup (cgroup v2), to tell its SIGKILL from others."""
+    try:
+        for line in Path("/sys/fs/cgroup/memory.events").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def failure_status(returncode: int, error_line: str | None, stderr_tail: str, oom_killed: bool = False) -> tuple[str, str]:
+    """Classifies a child that did not finish: (status, reason). An allocator's refusal is 'oom' whoever reports it."""
+    last = stderr_tail.strip().splitlines()[-1][-300:] if stderr_tail.strip() else ""
+    if error_line:
+        return ("oom" if any(w in error_line.lower() for w in OOM_WORDS) else "error"), error_line
+    if any(w in stderr_tail.lower() for w in OOM_WORDS):
+        return "oom", "out of memory: " + last
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        if oom_killed:
+            return "oom", f"killed by {name} from the kernel's OOM killer (cgroup memory.events oom_kill grew)"
+        return "crashed", f"killed by {name}" + (f": {last}" if last else "")
+    return "crashed", f"exit code {returncode}: {last or 'no output'}"

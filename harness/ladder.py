@@ -1,0 +1,177 @@
+"""`ladder.run(config)`: one ladder (or sweep) from its configuration to its reports. It plans the cells, takes the
+run directory, checks that a rerun adds to a run of the same identity, measures the GPU's matmul peak once, runs
+the prepare stage and then each rung's cells with live progress, and writes the JSON, markdown and CSV."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from core import proc as procs
+from core.cell import Cell
+from core.env import default_device, device_slug, environment
+from core.paths import REPO
+from harness import report
+from harness.context import Context
+from harness.host_noise import host_cpu_probe
+from harness.measure import measure_cells, ordered
+from harness.plan import LadderConfig, Refused, check_output_paths, fitting, plan, run_identity
+from harness.prepare import prepare
+from harness.record import document
+from harness.rundir import RunDir, RunLocked
+from tiers import identity
+
+
+class Refusal(Exception):
+    """The one line that says why the ladder will not start; the command line prints it and exits with `status`
+    (2: bad input or a directory in use; 1: the machine failed a step before any cell)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def run(config: LadderConfig) -> int:
+    """The ladder; 0 when it ran to the end, 130 when interrupted (every finished cell kept). Raises Refusal."""
+    t_start = time.perf_counter()
+    console = Console()
+    device = config.device or default_device()
+    if device == "cuda" and default_device() != "cuda":
+        raise Refusal("ladder: --device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
+    suffix = ("-sweep" if config.command == "sweep" else "") + ("-train" if config.task == "train" else "")
+    config.out = (config.out or Path("runs") / f"{config.model}-{device}{suffix}").resolve()
+    cells = plan(config, device)
+    try:
+        check_output_paths(config)
+        run_dir = RunDir(config.out, config.model, device)
+        run_dir.lock()
+        cells = fitting(config.model, cells, device, drop=config.command == "sweep")
+    except (Refused, RunLocked) as e:
+        raise Refusal(f"ladder: {e}") from None
+    meta = run_metadata(run_dir, config, device, console)
+    run_dir.write_weights(config.task)
+
+    done = {} if config.rerun else run_dir.done()
+    todo = [c for c in cells if identity(c) not in done]
+    console.print(f"{len(cells)} cells ({len(cells) - len(todo)} already recorded in {run_dir.path}), "
+                  f"{config.model} on {device}, one process per {config.isolation}", markup=False)
+    planned = {identity(c) for c in cells}
+    records = {k: v for k, v in done.items() if k in planned}
+    ctx = Context(run=run_dir, protocol=config.protocol, isolation=config.isolation,
+                  peak_tflops=meta.get("peak_tflops"),
+                  tunings=None if config.retune else device_slug(meta["environment"]),
+                  isolation_check=config.isolation_check)
+    interrupted, builds = measure(ctx, todo, records, config, console)
+    if interrupted:
+        console.print(f"interrupted: {sum(r['status'] != 'interrupted' for r in records.values())} of {len(cells)} "
+                      f"cells recorded in {run_dir.path}; the same command goes on from there", markup=False,
+                      style="yellow")
+    ordered_records = [records[identity(c)] for c in cells if identity(c) in records]
+    write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
+    return 130 if interrupted else 0
+
+
+def run_metadata(run_dir: RunDir, config: LadderConfig, device: str, console: Console) -> dict[str, Any]:
+    """run.json: the run's environment, protocol and peaks, written by its first ladder; a rerun must match it."""
+    host_cpu = host_cpu_probe() if config.host_probe else None
+    env = environment(device, host_cpu)
+    meta = {"model": config.model, "isolation": config.isolation, "environment": env,
+            "protocol": dataclasses.asdict(config.protocol),
+            "peak_tflops": {"datasheet": (env.get("gpu") or {}).get("datasheet_peak_tflops")}}
+    meta_path = run_dir.path / "run.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        before, now = run_identity(old), run_identity(meta)
+        differ = [k for k in now if before.get(k) != now[k]]
+        if differ:
+            raise Refusal(f"ladder: {run_dir.path} holds a run with another {', '.join(differ)}; its cells would be "
+                          "mislabelled: give another --out")
+        return old
+    if device == "cuda":
+        with console.status("measuring the GPU's matmul peak (cuBLAS)"):
+            meta["peak_tflops"]["measured"] = matmul_peak(run_dir)
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def matmul_peak(run_dir: RunDir) -> dict[str, float]:
+    """cuBLAS's dense matmul rate per dtype, in a process of its own (the parent keeps no CUDA context)."""
+    peak_file = run_dir.path / "peak.json"
+    proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
+                     env=procs.child_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Refusal(f"ladder: measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}", status=1)
+    return json.loads(peak_file.read_text())["tflops"]
+
+
+def measure(ctx: Context, todo: list[Cell], records: dict[str, dict], config: LadderConfig,
+            console: Console) -> tuple[bool, dict]:
+    """The prepare stage, then each rung's cells, with live progress; each record appended to results.jsonl and to
+    `records` as it ends. Returns (interrupted, the C++ builds' facts)."""
+    def stop(signum, _frame):  # SIGTERM (timeout, a batch scheduler) and SIGHUP end the ladder as Ctrl-C does
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    builds: dict = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        try:
+            groups = ordered(todo)
+            if config.isolation == "rung" and todo:
+                task = progress.add_task("prepare", total=None)
+                t = time.perf_counter()
+                builds = prepare(ctx, groups, config.jobs,
+                                 on_progress=lambda s: progress.update(task, description=escape(f"prepare: {s}")))
+                progress.update(task, description=f"prepare: done in {time.perf_counter() - t:.0f} s", total=1,
+                                completed=1)
+            task = progress.add_task("ladder", total=len(todo))
+            ctx.on_phase = lambda cell, ph: progress.update(
+                task, description=escape(f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: {ph}"))
+
+            def on_record(rec: dict) -> None:
+                ctx.run.append(rec)
+                records[identity(Cell.of_record(rec))] = rec
+                progress.console.print(report.progress_line(rec), markup=False,
+                                       style=None if rec["status"] == "ok" else "red")
+                progress.advance(task)
+
+            for tier_cells in groups.values():
+                measure_cells(ctx, tier_cells, on_record)
+        except KeyboardInterrupt:  # the cell in flight is recorded as interrupted; every finished one is kept
+            return True, builds
+    return False, builds
+
+
+def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir: RunDir, builds: dict,
+                  wall: float, console: Console) -> None:
+    """The terminal's table, failures and fastest lines; the JSON, markdown (with plots) and CSV files."""
+    doc = document(records, meta["environment"], meta["protocol"],
+                          {"peak_tflops": meta.get("peak_tflops"), "isolation": meta.get("isolation"),
+                           "command": " ".join(["python -m harness", *sys.argv[1:]]), "wall_s": wall,
+                           "builds": builds})
+    what = " (training steps)" if config.task == "train" else ""
+    if records:
+        console.print(report.rich_table(records, wide=config.wide,
+                                        title=f"{config.model}{what} on {device_slug(meta['environment'])}"))
+    for line in report.failure_lines(records):
+        console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
+    for line in report.fastest_lines(records):
+        console.print(line, markup=False)
+    if meta["environment"].get("host_cpu"):
+        console.print(report.host_cpu_line(meta["environment"]["host_cpu"]), markup=False)
+    json_path, md_path = config.json or run_dir.path / "ladder.json", config.markdown or run_dir.path / "ladder.md"
+    report.write(doc, json_path, md_path, config.csv)
+    console.print(f"{wall:.0f} s. JSON: {json_path}  markdown: {md_path}", markup=False)
+    if config.retune and (run_dir.path / "cache").is_dir():
+        console.print(f"tunings of this run: {run_dir.path / 'cache'}/<rung>/ (tuned.json, engines.tsv); to ship them "
+                      f"for this GPU, copy them to kernels/tunings/{device_slug(meta['environment'])}/<rung>.json|tsv",
+                      markup=False)

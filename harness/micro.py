@@ -1,0 +1,42 @@
+"""`python -m harness micro`: a hand-written rung's per-layer microbenchmark, as a terminal table of its timings and,
+with every column, as JSON and markdown."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from core.env import environment
+from harness.report import columns, markdown_table
+from tiers import get_tier
+
+
+class Refusal(Exception):
+    """Why the microbenchmark cannot run here, in one line."""
+
+
+def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, json_path: Path | None,
+        md_path: Path | None) -> None:
+    tier = get_tier(tier_name)
+    reason = tier.availability("cuda")
+    if reason:
+        raise Refusal(f"{tier_name} micro needs the GPU: {reason}")
+    rows = tier.micro(batch, res, dtype, channels_last)
+    # The terminal shows each layer's name and its timings; --json and --markdown keep every column.
+    cols = columns(rows)
+    shown = cols[:1] + [c for c in cols if c.endswith(("_ms", "tflops"))]
+    table = Table(title=f"{tier_name}: per-layer microbenchmark, batch {batch}, res {res}, {dtype}",
+                  caption="every column: --json, --markdown")
+    for c in shown:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown])
+    Console().print(table)
+    if json_path:
+        json_path.write_text(json.dumps({"environment": environment("cuda"), "tier": tier_name, "batch": batch,
+                                         "res": res, "dtype": dtype, "rows": rows}, indent=1))
+    if md_path:
+        md_path.write_text(f"# {tier_name} microbenchmark (batch {batch}, res {res}, {dtype})\n\n"
+                           + "\n".join(markdown_table(rows)) + "\n")

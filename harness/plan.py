@@ -1,0 +1,148 @@
+"""What a ladder run is: its configuration (the command line's, as data), its cells, whether they fit in memory,
+and what must match for a rerun to add cells to a run directory."""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.cell import Cell
+from core.env import gpu_handle
+from core.memory import activation_bytes_per_image, host_available_bytes
+from harness.contract import Protocol
+from tiers import all_tiers
+
+
+@dataclass
+class LadderConfig:
+    """Everything `python -m harness ladder|sweep` takes; None means the device's default (plan)."""
+
+    command: str = "ladder"  # or 'sweep': its batch and dtype defaults, cells that cannot fit left out
+    model: str = "resnet50"
+    task: str = "infer"
+    tiers: list[str] | None = None
+    batch: list[int] | None = None
+    res: list[int] | None = None
+    dtype: list[str] | None = None
+    layout: str | None = None  # nchw, nhwc or both
+    cuda_graph: str = "off"    # off, on or both
+    compile_mode: list[str] = field(default_factory=lambda: ["default"])
+    option: list[tuple[str, str, str]] = field(default_factory=list)  # (rung, key, value)
+    device: str | None = None
+    isolation: str = "rung"
+    retune: bool = False
+    isolation_check: str = "warn"
+    protocol: Protocol = field(default_factory=Protocol)
+    jobs: int = os.cpu_count() or 1
+    host_probe: bool = False
+    out: Path | None = None
+    rerun: bool = False
+    json: Path | None = None
+    markdown: Path | None = None
+    csv: Path | None = None
+    wide: bool = False
+
+
+SWEEP_BATCHES = {"cuda": [8, 16, 32, 64, 128, 256, 512, 1024], "cpu": [1, 2, 4, 8, 16]}
+
+
+def plan(args: LadderConfig, device: str) -> list[Cell]:
+    """The cells of a ladder or sweep: rungs x layouts x dtypes x batches x resolutions x CUDA-graph modes, each
+    rung's options (compile: one cell per --compile-mode)."""
+    gpu = device == "cuda"
+    sweep = args.command == "sweep"
+    tiers = args.tiers or list(all_tiers())
+    batches = args.batch or (SWEEP_BATCHES[device] if sweep else [1, 32, 256] if gpu else [1])
+    resolutions = args.res or ([224] if gpu else [64])
+    dtypes = args.dtype or ((["bf16"] if sweep else ["fp32", "tf32", "bf16"]) if gpu else ["fp32"])
+    layouts = {"nchw": [False], "nhwc": [True], "both": [False, True]}[args.layout or ("nhwc" if gpu else "nchw")]
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
+    cells = []
+    for tier, layout, dtype, batch, res, graph in itertools.product(tiers, layouts, dtypes, batches, resolutions,
+                                                                    graphs):
+        given = tuple((k, v) for t, k, v in args.option if t == tier)
+        option_sets = ([tuple(sorted((("compile-mode", m),) + given)) for m in args.compile_mode]
+                       if tier == "compile" else [tuple(sorted(given))])
+        for opts in option_sets:
+            if graph and not all_tiers()[tier].cuda_graph:
+                continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode
+            cells.append(Cell(tier=tier, model=args.model, batch=batch, res=res, dtype=dtype,
+                              channels_last=layout, cuda_graph=graph, device=device, options=opts,
+                              task=args.task))
+    return cells
+
+
+class Refused(Exception):
+    """A one-line reason the ladder will not start (bad path, locked directory, a configuration that cannot fit)."""
+
+
+def check_output_paths(args: LadderConfig) -> None:
+    """--out must be (or become) a writable directory; --json/--markdown/--csv writable files, not directories."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise Refused(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Refused(f"--out {out}: cannot create it ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise Refused(f"--out {out}: not writable")
+    for flag in ("json", "markdown", "csv"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        if path.is_dir():
+            raise Refused(f"--{flag} {path}: is a directory; give a file name")
+        parent = path.parent if str(path.parent) else Path(".")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Refused(f"--{flag} {path}: cannot create {parent} ({e.strerror})") from None
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise Refused(f"--{flag} {path}: not writable")
+
+
+def memory_limits(model: str, res: int, device: str) -> list[tuple[str, int, int]]:
+    """(where, capacity bytes, bytes per image) for each memory a cell's batch fills: on the GPU its activations,
+    on the host the input file with its pageable and pinned copies (e2e pass); on the CPU both in host memory."""
+    try:
+        act = activation_bytes_per_image(model, res)
+    except Exception:  # the model cannot run at this size: its cells record the eager reference's failure
+        return []
+    nv, h = gpu_handle()
+    device_total = nv.nvmlDeviceGetMemoryInfo(h).total if device == "cuda" and h is not None else None
+    inp = 3 * res * res * 4
+    return ([("GPU memory", device_total, act)] if device_total else []) + [
+        ("host memory", host_available_bytes(), 3 * inp if device == "cuda" else act + inp)]
+
+
+def fitting(model: str, cells: list[Cell], device: str, drop: bool) -> list[Cell]:
+    """The cells whose batch fits in 80% of each memory it fills. drop=False refuses the run if one does not,
+    naming the largest batch that would; drop=True (a sweep) leaves such cells out, saying which."""
+    kept = []
+    for res in sorted({c.res for c in cells}):
+        limits = [(where, capacity, per) for where, capacity, per in memory_limits(model, res, device) if capacity]
+        largest = min((int(0.8 * capacity // per), where, capacity, per) for where, capacity, per in limits) \
+            if limits else None
+        for c in (c for c in cells if c.res == res):
+            if largest is None or c.batch <= largest[0]:
+                kept.append(c)
+                continue
+            fits, where, capacity, per = largest
+            message = (f"batch {c.batch} at res {res} needs about {c.batch * per / 2**30:.1f} GiB of {where} "
+                       f"({capacity / 2**30:.1f} GiB here); the largest batch that fits is about {fits}")
+            if not drop:
+                raise Refused(message)
+            print(f"sweep: left out: {message}", file=sys.stderr)
+    return kept
+
+
+def run_identity(meta: dict) -> dict:
+    """What must match for a rerun to add cells to an existing run directory."""
+    env = meta["environment"]
+    return {"model": meta.get("model"), "device": env.get("device"), "gpu": (env.get("gpu") or {}).get("name"),
+            **{k: env.get(k) for k in ("torch", "torch_cuda", "cudnn", "triton", "onnxruntime", "python")},
+            "source": (env.get("source") or {}).get("digest"), "isolation": meta.get("isolation"),
+            "protocol": meta.get("protocol")}

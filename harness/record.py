@@ -1,0 +1,198 @@
+"""The record of one cell: built here from the child's result file and the parent's observations, and defined here
+(DEFINITIONS, shipped inside every JSON document so it reads on its own). The report renders records; it makes none."""
+from __future__ import annotations
+
+from typing import Any
+
+from core import model as model_io
+from core import train
+from core.cell import Cell
+from core.env import source_revision, utc_now
+from core.flops import flops_per_image
+from core.parity import compare
+from core.stats import summarize
+from harness.contention import describe
+from harness.context import Context
+from harness.rundir import cell_dir
+
+DONE = "ok"
+
+SCHEMA_VERSION = 1
+
+HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (measured cells sit near 1 or <= 0.6)
+
+# What every figure of a record means; shipped inside every JSON file so it reads on its own.
+DEFINITIONS = {
+    "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
+              "withheld), 'crashed' (killed by a signal or a non-zero exit), 'oom' (an allocator refused, or the "
+              "kernel's OOM killer), 'timeout' (no result within --timeout), 'error' (an exception, a failed build "
+              "of our own code, or a failed eager reference), 'interrupted' (Ctrl-C, SIGTERM or SIGHUP while it "
+              "ran), 'contended' (measured beside another busy process under --isolation-check error; timings "
+              "withheld), 'unavailable' (rung cannot run here), 'skipped' (rung does not implement this "
+              "configuration); 'reason' says why. A rerun keeps ok, parity-fail and skipped and tries the rest again",
+    "isolation": "'rung': one process per rung measured its cells in turn, caches kept between processes; 'cell': "
+                 "a fresh process with fresh caches per cell",
+    "start": "what the cell's first result had: 'cold' (fresh process, empty caches), 'warm-start' (fresh process, "
+             "caches kept: Inductor/Triton caches, tuning tables, a built C++ binary), 'hot' (a process that had "
+             "already measured other cells of the rung); process_position counts those cells. cold holds the "
+             "times of that start; prepared holds the prepare stage's start of the same cell where it had one "
+             "(a build-only process, its first cell cold and the next hot, beside concurrent_jobs other jobs)",
+    "hot_start": "first call at batch + 1 in the process of the rung's first measured cell (a new shape: the "
+                 "recompile of compiling rungs), synchronised, wall clock; inference cells only",
+    "cache_bytes": "size on disk of the rung's kept caches after the cell",
+    "phase_s": "wall seconds of the cell per protocol phase, from the parent's clock ('start': the process's start "
+               "and imports for a process's first cell); they add up to wall_s",
+    "contention": "other processes during the cell's timed phases: other_cpus_busy = CPU time of processes outside "
+                  "the ladder's process tree / wall time; gpu_other_pids = processes outside it holding the GPU "
+                  "(NVML; null where its PIDs cannot be matched); flagged when more than half a CPU or any GPU "
+                  "process",
+    "latency_stopped": "why the latency pass ended: 'precision' (the median's 95% confidence interval within "
+                       "+-protocol.precision), 'time' (protocol.max_time_s), 'iters' (protocol.max_iters)",
+    "dtype": "fp32 = strict fp32 (TF32 off); tf32 = fp32 tensors, TF32 tensor-core math allowed; fp16/bf16 = "
+             "weights and activations in that type",
+    "parity": "output of the first forward vs eager fp32 (TF32 off) on the same input and weights: max_abs_err, "
+              "rel_err = max_abs_err / max|ref|, cosine similarity, top-1 agreement (required on rows whose "
+              "reference top-1 margin exceeds twice the tolerance); ok = within the dtype's tolerance",
+    "latency_ms": "warm per-iteration time of one forward (device-resident input, output left on device), CUDA "
+                  "events recorded on the stream the rung issues its work on, one sync per iteration; statistics "
+                  "over latency_samples_ms (raw). On the CPU: host wall clock",
+    "throughput_img_s": "batch / median latency: synchronous, one batch at a time",
+    "pipelined": "forwards issued back to back with no sync, one event pair around all: ms_per_iter and "
+                 "throughput_img_s when host and GPU overlap",
+    "host_overhead_us": "CPU time of the calling thread inside the forward call (issuing work; excludes the sync)",
+    "e2e_ms": "wall time of input copy H2D + forward + output copy D2H, synchronised: 'pageable' and 'pinned' "
+              "host input; 'device' = input already on the GPU (forward + D2H only)",
+    "cold": "load_s: weights from disk; build_s: everything before the first forward (device transfer, tracing, "
+            "export, engine or algorithm selection, autotuning); first_result_s: first forward incl. lazy JIT, "
+            "synchronised; all wall clock in a fresh process; jit_cache says whether JIT caches were fresh",
+    "memory": "allocator_peak_bytes: torch caching-allocator peak allocated over 3 steady-state forwards after a "
+              "peak reset (weights and persistent buffers included); allocator_reserved_peak_bytes: same, "
+              "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
+              "nvml_process_peak_bytes: NVML's figure for the child process, peak over its untimed phases (NVML is "
+              "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
+              "their own memory plan report workspace_bytes / activation_bytes / weights_bytes; training steps "
+              "report weights_bytes, gradient_bytes, optimizer_state_bytes and activations_and_workspace_bytes = "
+              "allocator peak minus those and the input (an estimate: at the peak some gradients are not yet "
+              "allocated)",
+    "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
+                   "forwards; energy_j = NVML board energy counter over that pass, img_per_joule = images per joule "
+                   "of board energy",
+    "task": "'infer': each timed call is one forward; 'train': one training step (forward with BatchNorm in "
+            "training mode, cross-entropy against fixed labels, backward, SGD with momentum 0.9 and weight decay "
+            "1e-4; bf16/fp16 = autocast over fp32 master weights, fp16 with a gradient scaler; harness/train.py). "
+            "A training cell's latency, img/s, host time and memory are per step, its parity compares the loss "
+            "of 3 steps, the updated weights and the running statistics with eager fp32's, and its first result "
+            "is the first step",
+    "tflops": "achieved = FLOPs of one forward (a training step counts as 3 forwards) (2 per multiply-accumulate in convolutions and matmuls, torch "
+              "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
+              "dense peak for the cell's dtype",
+    "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
+             f"{HOST_BOUND:.0%} of its latency median: the GPU waited on the host, so the latency measures the "
+             "host's speed and moves with it between processes; 'gpu' otherwise; null on the CPU or without a "
+             "result",
+    "measured_at": "UTC time the cell's measurement began (before its process was started)",
+    "source": "digest of the project's source files that measured the cell (environment.source: the same digest, "
+              "with the git commit where the run had one; core.env.source_revision)",
+    "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
+                   "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
+}
+
+
+def bound(r: dict) -> str | None:
+    """'host' or 'gpu': what a cell's latency measures (DEFINITIONS['bound'])."""
+    if r["status"] != "ok" or r["device"] != "cuda" or not r.get("host_overhead_us"):
+        return None
+    host_ms = r["host_overhead_us"]["median"] / 1e3
+    return "host" if host_ms >= HOST_BOUND * r["latency_ms"]["median"] else "gpu"
+
+
+def document(records: list[dict], environment: dict, protocol: dict, extra: dict | None = None) -> dict:
+    """The JSON document of a run (or of merged runs): environment, protocol, definitions, and every record."""
+    records = [{**r, "bound": bound(r)} for r in records]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated": utc_now(),
+        "environment": environment,
+        "protocol": protocol,
+        **(extra or {}),
+        "definitions": DEFINITIONS,
+        "results": records,
+    }
+
+
+def base_record(cell: Cell) -> dict[str, Any]:
+    d = cell.to_dict()
+    return {"key": cell.key, "label": cell.label, **d, "layout": cell.layout,
+            "status": None, "reason": None, "parity": {"ok": None}, "measured_at": utc_now(),
+            "source": source_revision()["digest"]}
+
+
+def check_parity(ctx: Context, cell: Cell) -> dict:
+    """The cell's output against the eager fp32 reference: one forward's logits, or a training cell's losses and
+    state after the parity steps."""
+    ref = ctx.run.reference(cell.batch, cell.res, cell.task)
+    out = cell_dir(ctx.run, cell) / "output.safetensors"
+    if cell.task == "train":
+        from safetensors.torch import load_file
+
+        start = load_file(ctx.run.weights_for(cell.task))
+        return train.compare(load_file(out), load_file(ref), start, cell.dtype)
+    return compare(model_io.read_tensor(out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)
+
+
+def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: float) -> dict:
+    """A cell whose child wrote its result: parity, the cold part, memory and utilisation; then, unless parity
+    failed or the cell was contended under --isolation-check error, its timings."""
+    record["wall_s"] = wall_s
+    record["parity"] = parity = check_parity(ctx, cell)
+    record["cold"] = {**raw["cold"], "time_to_first_result_s": sum(raw["cold"].values())}
+    record["build_stats"] = raw["build_stats"]
+    record["hot_start"] = raw.get("hot_start")
+    record["stream"] = raw["stream"]
+    nvml = record.pop("nvml")
+    record["memory"] = {**raw["memory"], **{k: nvml[k] for k in ("nvml_process_peak_bytes", "nvml_source")
+                                            if k in nvml}, "rss_peak_bytes": raw["rss_peak_bytes"]}
+    record["utilisation"] = nvml.get("utilisation")
+    util = record["utilisation"] or {}
+    if util.get("energy_j") and raw["util"]["seconds"] > 0:
+        images_per_s = raw["util"]["iters"] * cell.batch / raw["util"]["seconds"]
+        util["img_per_joule"] = images_per_s * util["energy_window_s"] / util["energy_j"]
+    if not parity["ok"]:
+        record.update(status="parity-fail", reason=f"parity failed: {parity.get('reason')}; timings withheld")
+        return record
+    contention = record.get("contention") or {}
+    if contention.get("flagged") and ctx.isolation_check == "error":
+        record.update(status="contended", reason=f"measured beside other busy processes ({describe(contention)}); "
+                      "timings withheld (--isolation-check error)")
+        return record
+    record.update(status=DONE, **timings(ctx, cell, raw))
+    return record
+
+
+def timings(ctx: Context, cell: Cell, raw: dict) -> dict[str, Any]:
+    """The timed figures of a cell's result, summarised from its raw samples."""
+    lat = summarize(raw["latency"]["samples_ms"])
+    pipe = raw["pipelined"]
+    # A training step is counted as 3 forwards (the backward computes gradients of activations and of weights).
+    flops = flops_per_image(cell.model, cell.res) * cell.batch * (3 if cell.task == "train" else 1)
+    achieved = flops / (lat["median"] * 1e-3) / 1e12
+    peaks = ctx.peak_tflops or {}
+    return {
+        "latency_ms": lat,
+        "latency_samples_ms": raw["latency"]["samples_ms"],
+        "latency_stopped": raw["latency"].get("stopped"),
+        "throughput_img_s": cell.batch / lat["median"] * 1e3,
+        "pipelined": {"iters": pipe["iters"], "ms_per_iter": pipe["total_ms"] / pipe["iters"],
+                      "throughput_img_s": cell.batch * pipe["iters"] / pipe["total_ms"] * 1e3},
+        "host_overhead_us": summarize(raw["host"]["samples_us"]),
+        "e2e_ms": {k.removesuffix("_ms"): summarize(v) for k, v in raw["e2e"].items()},
+        "warmup": raw["warmup"],
+        "tflops": {
+            "flops_per_step" if cell.task == "train" else "flops_per_forward": flops,
+            "achieved": achieved,
+            "measured_peak": (peaks.get("measured") or {}).get(cell.dtype),
+            "share_of_measured_peak": achieved / peaks["measured"][cell.dtype] if peaks.get("measured") else None,
+            "datasheet_peak": (peaks.get("datasheet") or {}).get(cell.dtype),
+            "share_of_datasheet_peak": (achieved / peaks["datasheet"][cell.dtype]) if peaks.get("datasheet") else None,
+        },
+    }

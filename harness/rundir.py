@@ -1,0 +1,170 @@
+"""One run's directory: the weights every rung loads, inputs and eager references per (batch, res), a folder per cell,
+the rungs' caches, and results.jsonl, to which each cell's record is appended (and fsynced) as it ends."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from core import model as model_io
+from core import proc as procs
+from core.cell import Cell
+from core.paths import REPO
+from harness.failures import failure_status
+from tiers import identity
+
+# Statuses a rerun keeps; the others (crashed, timeout, oom, error, unavailable, interrupted, contended) run again.
+KEPT = ("ok", "parity-fail", "skipped")
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one rename: a reader (or a
+    crash) sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class RunLocked(Exception):
+    """Another live ladder holds the run directory."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a results.jsonl. A line that does not parse (torn by a crash mid-write, or two records glued
+    by a missing newline) is skipped with a warning naming the file and line."""
+    out = []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}:{i}: skipped a line that is not one complete JSON record (torn write?)",
+                          stacklevel=2)
+            continue
+        if isinstance(rec, dict) and "status" in rec:
+            out.append(rec)
+        else:
+            warnings.warn(f"{path}:{i}: skipped a line that is not a ladder record", stacklevel=2)
+    return out
+
+
+class RunDir:
+    """One run's files: the weights every rung loads, inputs and references per (batch, res), cells, caches,
+    results. One ladder at a time: `lock` takes an OS-level lock on the directory."""
+
+    def __init__(self, path: Path, model: str, device: str) -> None:
+        self.path, self.model, self.device = Path(path).resolve(), model, device
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.results = self.path / "results.jsonl"
+        self.weights = self.path / f"{model}.weights.safetensors"
+        self._failed_refs: dict[tuple[int, int], tuple[str, str]] = {}
+
+    def lock(self) -> None:
+        """Held until this process exits (a dead holder's lock is released by the OS, so a new ladder takes it)."""
+        self._lock = open(self.path / ".lock", "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "unknown"
+            raise RunLocked(f"{self.path} is in use by another ladder (PID {holder}); wait for it or choose "
+                            "another --out") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(str(os.getpid()))
+        self._lock.flush()
+
+    def weights_for(self, task: str) -> Path:
+        """The weights a cell starts from: the run's, or for training the run's with residual branches
+        zero-initialised (core.model.zero_init_residual)."""
+        return self.weights if task == "infer" else self.path / f"{self.model}.train-weights.safetensors"
+
+    def write_weights(self, task: str = "infer") -> None:
+        """The weights file(s) `task` needs, each written once (to a temporary name, then renamed)."""
+        for path, make in ((self.weights, lambda: model_io.build_model(self.model)),
+                           (self.weights_for(task),
+                            lambda: model_io.zero_init_residual(model_io.load_model(self.model, self.weights)))):
+            if not path.exists():
+                write_atomic(path, lambda tmp, make=make: model_io.write_weights(make(), tmp))
+
+    def input(self, batch: int, res: int) -> Path:
+        p = self.path / "inputs" / f"b{batch}_r{res}.safetensors"
+        if not p.exists():
+            p.parent.mkdir(exist_ok=True)
+            write_atomic(p, lambda tmp: model_io.write_input(model_io.make_input(batch, res), tmp))
+        return p
+
+    def reference(self, batch: int, res: int, task: str = "infer") -> Path:
+        """The eager fp32 reference (TF32 off): the output of one forward, or for training the loss of each parity
+        step and the state after them. Raises ReferenceFailed (remembered) if eager cannot compute it."""
+        if (batch, res, task) in self._failed_refs:
+            raise ReferenceFailed(*self._failed_refs[(batch, res, task)])
+        what = "training " if task == "train" else ""
+        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}_{self.device}.safetensors"
+        if not p.exists():
+            p.parent.mkdir(exist_ok=True)
+            proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights_for(task)),
+                              str(self.input(batch, res)), str(p), self.device, task], cwd=REPO, env=procs.child_env(),
+                             capture_output=True, text=True)
+            if proc.returncode != 0:
+                status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:])
+                self._failed_refs[(batch, res, task)] = (
+                    "oom" if status == "oom" else "error",
+                    f"eager {what}reference (batch {batch}, res {res}) failed: {reason}")
+                raise ReferenceFailed(*self._failed_refs[(batch, res, task)])
+        return p
+
+    def cache(self, tier: str) -> Path:
+        """The rung's caches kept between its processes (Inductor, Triton, tuning choices)."""
+        p = self.path / "cache" / tier
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def done(self) -> dict[str, dict]:
+        """Records already written, by cell identity: a rerun skips cells measured (or failing parity, or skipped by
+        the rung) and tries again the others."""
+        if not self.results.exists():
+            return {}
+        return {identity(Cell.of_record(r)): r for r in read_jsonl(self.results) if r["status"] in KEPT}
+
+    def append(self, record: dict) -> None:
+        """One write of one complete line, then fsync; a file whose last line lacks its newline (a crash mid-write)
+        gets one first, so the new record is never glued to the torn one."""
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.results, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size:
+                with open(self.results, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = b"\n" + line
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class ReferenceFailed(Exception):
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def cell_dir(run: RunDir, cell: Cell) -> Path:
+    d = run.path / "cells" / hashlib.sha1(cell.key.encode()).hexdigest()[:12]
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
