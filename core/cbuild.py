@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from core import proc as procs
-from core.env import files_digest
 from core.cell import Unavailable
+from core.env import files_digest
 from core.paths import REPO, USER_CACHE
 
 

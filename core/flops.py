@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from core.model import skeleton
+
 
 @functools.lru_cache(maxsize=None)
 def flops_per_image(model_name: str, res: int) -> int:
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
-
-    from core.model import skeleton
 
     with torch.device("meta"):
         model = skeleton(model_name).eval()

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from core.model import skeleton
+
 
 @functools.lru_cache(maxsize=None)
 def activation_bytes_per_image(model_name: str, res: int) -> int:
     """An upper estimate of the fp32 activations one image keeps alive in an inference forward: three times the
     largest module output (a block's input, its branch and the skip), measured on the meta device (no memory)."""
-    import torch
-
-    from core.model import skeleton
 
     with torch.device("meta"):
         model = skeleton(model_name).eval()

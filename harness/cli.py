@@ -95,11 +95,8 @@ def _rung_option(text: str) -> tuple[str, str, str]:
     return tier, key, value
 
 
-def parser() -> argparse.ArgumentParser:
-    tier_names = list(all_tiers())
-    p = argparse.ArgumentParser(prog="python -m harness", description="Run one network down the abstraction ladder.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
+    """The options `ladder` and `sweep` share."""
     lad = argparse.ArgumentParser(add_help=False)  # what ladder and sweep share
     lad.add_argument("--model", default="resnet50", choices=CLASSIFIERS, metavar="MODEL",
                      help=f"torchvision classifier ({', '.join(CLASSIFIERS)})")
@@ -161,6 +158,14 @@ def parser() -> argparse.ArgumentParser:
     lad.add_argument("--wide", action="store_true", help="the final table with every column (default: the columns "
                      "that fit 80 columns)")
 
+    return lad
+
+
+def parser() -> argparse.ArgumentParser:
+    tier_names = list(all_tiers())
+    p = argparse.ArgumentParser(prog="python -m harness", description="Run one network down the abstraction ladder.")
+    sub = p.add_subparsers(dest="command", required=True)
+    lad = ladder_arguments(tier_names)
     sub.add_parser("ladder", parents=[lad], help="measure rungs x configurations")
     sub.add_parser("sweep", parents=[lad], help="batch x resolution (x dtype) for chosen rungs: the ladder with "
                    "sweep defaults, its latency and throughput plotted against batch size")

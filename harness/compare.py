@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.record import bound
 from core.cell import Cell, layout_name
+from harness.record import bound
 from harness.report import BadInput, load_records, markdown_table
 from tiers import identity
 

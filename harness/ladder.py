@@ -119,8 +119,16 @@ def measure(ctx: Context, todo: list[Cell], records: dict[str, dict], config: La
     def stop(signum, _frame):  # SIGTERM (timeout, a batch scheduler) and SIGHUP end the ladder as Ctrl-C does
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return measure_with_progress(ctx, todo, records, config, console)
+    finally:  # a caller in the same process (a test, a notebook) gets its own handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def measure_with_progress(ctx: Context, todo: list[Cell], records: dict[str, dict], config: LadderConfig,
+                          console: Console) -> tuple[bool, dict]:
     builds: dict = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:

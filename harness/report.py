@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from core.cell import Cell, layout_name
+from harness.plots import write_plots
 from harness.record import bound, document
 from harness.rundir import read_jsonl
 from tiers import identity
+
 
 def eager_baseline(records: list[dict], r: dict) -> dict | None:
     for e in records:
@@ -276,8 +278,6 @@ def fastest_lines(records: list[dict]) -> list[str]:
 
 def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Path | None) -> list[Path]:
     """The files asked for; the markdown report gets its plots in plots/ beside it. Returns the plots written."""
-    from harness.plots import write_plots
-
     plots: list = []
 
     def md() -> str:

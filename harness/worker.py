@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from core import train
 from core.cell import Built, Cell, Store
 from core.model import load_model, read_tensor
 from core.placement import memory_format, set_math_mode, torch_dtype
@@ -164,8 +165,6 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     from safetensors.torch import save_file
 
     if cell.task == "train":  # the parity steps: the first was the first result, from the run's weights
-        from core import train
-
         losses = [out] + [built.forward(example) for _ in range(int(kv["parity-steps"]) - 1)]
         save_file(train.output_tensors(losses, built.state()), kv["output"])
     else:

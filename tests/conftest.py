@@ -34,8 +34,15 @@ def records(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def python_rungs(tmp_path_factory):
-    """One CPU ladder over the Python rungs, shared by the tests that read its output."""
+    """One CPU ladder over the Python rungs, shared by the tests that read its output: harness.ladder.run in this
+    process, as the command line calls it (the cells still run in child processes)."""
+    from harness import ladder as ladder_run
+    from harness.contract import Protocol
+    from harness.plan import LadderConfig
+
     out = tmp_path_factory.mktemp("python-rungs")
-    proc = ladder(out, "--tiers", "eager,torchscript,compile,onnxruntime", "--batch", "2", "--res", "32")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = LadderConfig(tiers=["eager", "torchscript", "compile", "onnxruntime"], batch=[2], res=[32],
+                          device="cpu", out=out, json=out / "ladder.json", markdown=out / "ladder.md",
+                          protocol=Protocol(iters=3, min_time_s=0, warmup_max=2, warmup_s=0, util_s=0.05))
+    assert ladder_run.run(config) == 0
     return out

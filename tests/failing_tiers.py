@@ -14,21 +14,21 @@ from tiers.base import PythonTier
 class Segfault(PythonTier):
     name = "test-segfault"
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         ctypes.string_at(0)  # dereferences NULL: SIGSEGV in the child
 
 
 class Raises(PythonTier):
     name = "test-raises"
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         raise RuntimeError("deliberate failure in build")
 
 
 class Hangs(PythonTier):
     name = "test-hangs"
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         time.sleep(3600)
 
 
@@ -37,7 +37,7 @@ class WrongFunction(PythonTier):
 
     name = "test-wrong"
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         net = place_model(model, cell)
         with torch.no_grad():
             net.fc.bias.zero_()
@@ -52,7 +52,7 @@ class MarkupReason(PythonTier):
 
     name = "test-markup"
 
-    def build(self, model, example, cell):
+    def build(self, model, example, cell, store):
         raise RuntimeError("cannot open [/tmp/x] in [bold]build[/bold]")
 
 

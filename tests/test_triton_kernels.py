@@ -16,7 +16,7 @@ from core.model import build_model  # noqa: E402
 from kernels.triton.conv import conv2d, pack_conv  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
-from core.cell import Cell  # noqa: E402
+from core.cell import Cell, Store  # noqa: E402
 from tiers.triton import TIER  # noqa: E402
 
 
@@ -113,7 +113,7 @@ def test_tier_forward(model, channels_last):
     x = torch.randn(1, 3, 32, 32)
     example = x.to(memory_format=torch.channels_last) if channels_last else x
     built = TIER.build(net, example, Cell(tier="triton", model=model, batch=1, res=32, device="cpu",
-                                          channels_last=channels_last))
+                                          channels_last=channels_last), Store())
     with torch.no_grad():
         ref = net(x)
     out = built.forward(example)

@@ -24,7 +24,6 @@ from tiers.base import PythonTier
 from tiers.exports.aot_inductor import OPTIONS, missing_api, option, package
 from tiers.libtorch import LibTorch, export_process
 
-
 # torch builds whose Python loader crashes on every CUDA package (docs/notes/aoti-python-cuda-crash.md): on the lent
 # H100, torch 2.11.0+cu130's aoti_load_package dies by SIGSEGV while building the model container, for ResNet-50
 # and for a one-layer model alike, under every compile setting tried, while AOTIModelPackageLoader in our C++

@@ -14,8 +14,8 @@ import torch
 
 from core import proc as procs
 from core.cbuild import build_dir, cmake_build, sources_missing
-from core.paths import REPO
 from core.cell import Cell, Unavailable
+from core.paths import REPO
 from tiers.base import ExternalTier
 
 

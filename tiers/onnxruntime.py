@@ -11,7 +11,6 @@ from core.cell import Built
 from tiers.base import PythonTier
 from tiers.exports.onnx import bound_input, export_onnx
 
-
 # Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
 # is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
 BF16_EXPORT = ("torch's ONNX exporter makes an invalid bfloat16 graph of this model: batch-norm is folded into "

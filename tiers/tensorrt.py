@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from core.cell import Built, Cell, Store, Unavailable
+from core.env import gpu_handle
 from tiers.base import PythonTier
 from tiers.exports.onnx import bound_input, export_onnx
 from tiers.onnxruntime import BF16_EXPORT
@@ -80,8 +81,6 @@ def load_tensorrt() -> tuple[Any, str | None]:
 def nvml_gpu() -> tuple[str, tuple[int, int]] | None:
     """Name and compute capability of GPU 0 from NVML, which (unlike torch.cuda) creates no CUDA context: the
     parent asks for availability and must stay context-free. None without an NVIDIA driver."""
-    from core.env import gpu_handle
-
     nv, handle = gpu_handle()
     if handle is None:
         return None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from core.cell import Built, Cell, Store, layout_name
+from core.model import build_model
 from core.placement import memory_format, set_math_mode, torch_dtype
 from tiers.base import PythonTier
 
@@ -122,8 +123,6 @@ class TritonTier(PythonTier):
 
 def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
     """Distinct convolutions of ResNet-50 at `res` as ((cin, cout, k, stride, pad, h, w), how many), in net order."""
-    from core.model import build_model
-
     model, seen = build_model("resnet50"), {}
 
     def hook(conv, inputs, _):

@@ -5,7 +5,7 @@ by AOTIModelPackageLoader in C++): one recipe for both.
 batch dimension dynamic (one package serves every batch size, as a deployed model meets them; Inductor then
 compiles kernels for a symbolic batch, tuned on batch TRACE_BATCH) or, with option batch-dim=static, one package
 per batch size (as torch.compile specialises its graphs), then torch._inductor.aoti_compile_and_package to a
-`.pt2` file. Packages are cached on disk under the run's cache directory (LADDER_CACHE_DIR) by a key of the
+`.pt2` file. Packages are cached on disk under the run's cache directory (the rung's Store) by a key of the
 weights' digest, the model, dtype, layout, device, mode, torch version and the batch it is traced on; a hit costs
 neither export nor compile. For `aot-inductor-cpp` the parent runs `python -m tiers.exports.aot_inductor --cell
 JSON --weights W --cache DIR` in a process of its own, as torchscript-cpp's export does."""

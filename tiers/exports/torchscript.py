@@ -23,6 +23,7 @@ from core.cell import Cell
 from core.model import load_model
 from core.placement import place_model, zero_example
 
+
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
                        path: Path | None = None) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
     """Traces `model` on `example` (both already on the cell's device, dtype and layout), freezes it (weights

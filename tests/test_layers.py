@@ -1,0 +1,65 @@
+"""The layers import one way (docs/architecture.md): core <- tiers <- harness, and kernels/ (Triton kernels) beside
+core, used by the rungs. Checked on the source, every import statement, inside functions too."""
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+# What each package may import of the project (itself included).
+ALLOWED = {
+    "core": {"core"},
+    "kernels": {"kernels"},
+    "tiers": {"core", "kernels", "tiers"},
+    "harness": {"core", "kernels", "tiers", "harness"},
+}
+# The project's packages imported inside a function, each with its reason: Triton's kernels import Triton, which
+# may be absent (the rung's availability says so) and takes seconds to import where it is not used.
+LAZY_OK = {"kernels"}
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported module, inside a function, line) for every import of `path`."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, in_function, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.extend([(child.module, in_function, child.lineno)])
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def project_imports(package: str) -> list[tuple[str, str, bool, int]]:
+    """(file, imported project package, inside a function, line)."""
+    out = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        for module, in_function, line in imports(path):
+            top = module.split(".")[0]
+            if top in ALLOWED:
+                out.append((str(path.relative_to(REPO)), top, in_function, line))
+    return out
+
+
+def test_no_package_imports_upward():
+    upward = [f"{f}:{line} imports {top}" for package in ALLOWED for f, top, _, line in project_imports(package)
+              if top not in ALLOWED[package]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_project_import_is_hidden_in_a_function():
+    hidden = [f"{f}:{line} imports {top} inside a function" for package in ALLOWED
+              for f, top, in_function, line in project_imports(package) if in_function and top not in LAZY_OK]
+    assert not hidden, "\n".join(hidden)
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The checker itself fails on what it is for: a core module importing the harness, in a function."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from harness.record import bound\n    return bound\n")
+    assert imports(bad) == [("harness.record", True, 2)]
