@@ -12,6 +12,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from core.paths import REPO
 
 # Datasheet dense (no sparsity) peaks in TFLOP/s, for 'share of peak'; the run also measures cuBLAS's rate.
@@ -27,7 +29,7 @@ DATASHEET_PEAK_TFLOPS = {
 def nvml():
     """pynvml, initialised, or None when there is no NVIDIA driver."""
     try:
-        import pynvml
+        import pynvml  # fails without an NVIDIA driver: nvml() says None
 
         pynvml.nvmlInit()
         return pynvml
@@ -96,8 +98,6 @@ def source_revision() -> dict[str, Any]:
 
 def environment(device: str, host_cpu: dict[str, Any] | None = None) -> dict[str, Any]:
     """What measured: code, host, software, GPU; `host_cpu`: the host's steadiness (harness.host_noise), if probed."""
-    import torch
-
     env: dict[str, Any] = {
         "started_utc": utc_now(),
         "source": source_revision(),
@@ -119,7 +119,7 @@ def environment(device: str, host_cpu: dict[str, Any] | None = None) -> dict[str
         "host_cpu": host_cpu,
     }
     try:
-        import onnxruntime
+        import onnxruntime  # optional: a rung's availability says why it is missing
 
         env["onnxruntime_providers"] = onnxruntime.get_available_providers()
     except Exception:
@@ -147,8 +147,6 @@ def environment(device: str, host_cpu: dict[str, Any] | None = None) -> dict[str
 
 
 def _cudnn_version() -> str | None:
-    import torch
-
     try:
         v = torch.backends.cudnn.version()
     except Exception:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from core.model import skeleton
 
 
 @functools.lru_cache(maxsize=None)
 def flops_per_image(model_name: str, res: int) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
     with torch.device("meta"):
         model = skeleton(model_name).eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():

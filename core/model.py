@@ -4,6 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torchvision
+from safetensors.torch import load_file, save_file
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 CLASSIFIERS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2",
                "resnext50_32x4d", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0", "regnet_y_400mf",
@@ -25,8 +28,6 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
       the deep network is not chaotic: rounding (bf16) moves the logits far less than another input does;
     - batch-norm statistics are those the network measures on seeded N(0,1) inputs (one pass in training mode),
       so that each batch-norm normalises what it meets and the logits depend on the input."""
-    import torchvision
-
     check_model(name)
     torch.manual_seed(seed)
     model = torchvision.models.get_model(name, weights=None, num_classes=1000)
@@ -44,8 +45,6 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 def _residual_branch_ends(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The last batch-norm of each residual branch of torchvision's ResNets (none for other models)."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
     return [m.bn3 if isinstance(m, Bottleneck) else m.bn2 for m in model.modules()
             if isinstance(m, (BasicBlock, Bottleneck))]
 
@@ -84,16 +83,12 @@ def weights_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_weights(model: torch.nn.Module, path: Path) -> None:
-    from safetensors.torch import save_file
-
     save_file(weights_state(model), str(path))
 
 
 def load_model(name: str, weights: Path) -> torch.nn.Module:
     """The model with the run's weights file loaded (how every Python rung starts). Built on the meta device and
     filled by assignment, so no time goes into a random initialisation that the file overwrites."""
-    from safetensors.torch import load_file
-
     with torch.device("meta"):
         model = skeleton(name)
     missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
@@ -109,8 +104,6 @@ def load_model(name: str, weights: Path) -> torch.nn.Module:
 
 def skeleton(name: str) -> torch.nn.Module:
     """The architecture with torchvision's default initialisation (build under torch.device('meta') to skip it)."""
-    import torchvision
-
     check_model(name)
     return torchvision.models.get_model(name, weights=None, num_classes=1000)
 
@@ -122,14 +115,10 @@ def make_input(batch: int, res: int, seed: int = 0) -> torch.Tensor:
 
 
 def write_input(x: torch.Tensor, path: Path) -> None:
-    from safetensors.torch import save_file
-
     save_file({"input": x.contiguous()}, str(path))
 
 
 def read_tensor(path: Path, name: str) -> torch.Tensor:
-    from safetensors.torch import load_file
-
     return load_file(str(path))[name]
 
 

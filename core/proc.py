@@ -3,8 +3,8 @@
 Every process the ladder starts goes through `popen` / `run`: it starts in a session (process group) of its own, so
 Ctrl-C in the terminal reaches only the ladder, which then ends the group; and on Linux it carries
 PR_SET_PDEATHSIG=SIGKILL, set by a small launcher (`python core/launcher.py PPID PROGRAM...`, stdlib only, which then
-execs the program in place), so the kernel kills it even when the ladder itself is killed with SIGKILL. The launcher is used
-instead of `preexec_fn`, which is unsafe in a process with threads (the ladder samples NVML on one)."""
+execs the program in place), so the kernel kills it even when the ladder itself is killed with SIGKILL. The
+launcher is used instead of `preexec_fn`, which is unsafe in a process with threads (the ladder samples NVML on one)."""
 from __future__ import annotations
 
 import os

@@ -34,7 +34,7 @@ DIGITS_SPLIT_SEED = 0
 
 def digits(res: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """(x_train, y_train, x_test, y_test, facts): 3 x res x res images, normalised, from sklearn's digits."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # scikit-learn: only for the digits
     from sklearn.model_selection import train_test_split
 
     d = load_digits()
@@ -52,7 +52,7 @@ def digits(res: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def image_folder(root: Path, res: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """An ImageFolder tree (root/train and root/test or root/val), resized to res and held in memory."""
-    import torchvision.transforms as T
+    import torchvision.transforms as T  # only for --data
     from torchvision.datasets import ImageFolder
 
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)

@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from core.cell import DTYPES, TASKS
@@ -213,8 +214,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
-
     # Warnings meant for the user (a torn results line, say) as one plain line each, not Python's two
     warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     args = parser().parse_args(argv)

@@ -9,6 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from core.cell import Cell, layout_name
 from harness.record import bound
@@ -86,10 +90,6 @@ def display(row: dict) -> dict[str, str]:
 
 
 def rich_table(rows: list[dict], title: str):
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
     table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     shown = [display(r) for r in rows]
     for c in (shown[0] if shown else ()):
@@ -116,8 +116,6 @@ def markdown(rows: list[dict], a: str, b: str, threshold: float) -> str:
 def run(a: Path, b: Path, threshold: float, markdown_path: Path | None) -> int:
     """`python -m harness compare A B`: the table, a summary line, the markdown if asked; 1 on a regression.
     Raises BadInput for a file that is not results."""
-    from rich.console import Console
-
     loaded = []
     for path in (a, b):
         records, _ = load_records([path])

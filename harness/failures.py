@@ -18,7 +18,8 @@ def cgroup_oom_kills() -> int | None:
     return None
 
 
-def failure_status(returncode: int, error_line: str | None, stderr_tail: str, oom_killed: bool = False) -> tuple[str, str]:
+def failure_status(returncode: int, error_line: str | None, stderr_tail: str,
+                   oom_killed: bool = False) -> tuple[str, str]:
     """Classifies a child that did not finish: (status, reason). An allocator's refusal is 'oom' whoever reports it."""
     last = stderr_tail.strip().splitlines()[-1][-300:] if stderr_tail.strip() else ""
     if error_line:

@@ -2,6 +2,8 @@
 what the figure measures in its title, and units on its axes. A plot with nothing to show is not drawn."""
 from __future__ import annotations
 
+import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -9,7 +11,7 @@ MIB = 2**20
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # matplotlib: a second to import, only when plotting
 
     matplotlib.use("Agg")  # files only; no display on a GPU host
     import matplotlib.pyplot as plt
@@ -36,8 +38,6 @@ def _colours(labels) -> dict[str, tuple]:
 
 
 def _panels(plt, keys: list, title: str, width: float = 5.2, height: float = 3.8):
-    import textwrap
-
     fig, axes = plt.subplots(1, len(keys), figsize=(width * len(keys), height), squeeze=False)
     fig.suptitle("\n".join(textwrap.wrap(title, width=int(13 * width * len(keys)))), fontsize=10)
     return fig, dict(zip(keys, axes[0]))
@@ -289,8 +289,6 @@ PLOTS = {  # file stem: (caption, drawer)
 
 def write_plots(doc: dict, directory: Path) -> list[tuple[str, Path]]:
     """Every plot the document has data for, as PNG files in `directory`: [(caption, path)]."""
-    import sys
-
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for stem, (caption, draw) in PLOTS.items():

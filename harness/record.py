@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from safetensors.torch import load_file
+
 from core import model as model_io
 from core import train
 from core.cell import Cell
@@ -69,7 +71,8 @@ DEFINITIONS = {
               "peak reset (weights and persistent buffers included); allocator_reserved_peak_bytes: same, "
               "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
               "nvml_process_peak_bytes: NVML's figure for the child process, peak over its untimed phases (NVML is "
-              "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: peak resident host memory; rungs with "
+              "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: "
+              "peak resident host memory; rungs with "
               "their own memory plan report workspace_bytes / activation_bytes / weights_bytes; training steps "
               "report weights_bytes, gradient_bytes, optimizer_state_bytes and activations_and_workspace_bytes = "
               "allocator peak minus those and the input (an estimate: at the peak some gradients are not yet "
@@ -83,7 +86,8 @@ DEFINITIONS = {
             "A training cell's latency, img/s, host time and memory are per step, its parity compares the loss "
             "of 3 steps, the updated weights and the running statistics with eager fp32's, and its first result "
             "is the first step",
-    "tflops": "achieved = FLOPs of one forward (a training step counts as 3 forwards) (2 per multiply-accumulate in convolutions and matmuls, torch "
+    "tflops": "achieved = FLOPs of one forward (a training step counts as 3 forwards) (2 per multiply-accumulate "
+              "in convolutions and matmuls, torch "
               "FlopCounterMode) / median latency; share of the measured cuBLAS matmul rate and of the datasheet "
               "dense peak for the cell's dtype",
     "bound": "'host' when the CPU time to issue one forward (host_overhead_us median) is at least "
@@ -133,8 +137,6 @@ def check_parity(ctx: Context, cell: Cell) -> dict:
     ref = ctx.run.reference(cell.batch, cell.res, cell.task)
     out = cell_dir(ctx.run, cell) / "output.safetensors"
     if cell.task == "train":
-        from safetensors.torch import load_file
-
         start = load_file(ctx.run.weights_for(cell.task))
         return train.compare(load_file(out), load_file(ref), start, cell.dtype)
     return compare(model_io.read_tensor(out, "output"), model_io.read_tensor(ref, "output"), cell.dtype)

@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 from core import train
 from core.cell import Cell, Store
@@ -18,8 +19,6 @@ from tiers import get_tier
 
 
 def reference(model_name: str, weights: str, input_path: str, output: str, device: str, task: str = "infer") -> None:
-    from safetensors.torch import save_file
-
     set_math_mode("fp32")
     model = load_model(model_name, weights).to(device)
     x = read_tensor(input_path, "input").to(device)
@@ -36,7 +35,7 @@ def reference(model_name: str, weights: str, input_path: str, output: str, devic
 
 def measured_peak(output: str) -> None:
     """Median TFLOP/s of large square matrix products through cuBLAS (random data; zeros run faster)."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # Triton: only on the GPU
 
     rates = {}
     for name, n in (("bf16", 8192), ("fp16", 8192), ("tf32", 8192), ("fp32", 4096)):

@@ -7,6 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
 from core.cell import Cell, layout_name
 from harness.plots import write_plots
 from harness.record import bound, document
@@ -208,10 +213,6 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
     failure shows its status in red (its reason is a line of `failure_lines`), and rungs that are unavailable
     here or skip a cell are left to those lines. `wide`: every column and every record. Every cell is plain
     text, never rich markup (reasons quote paths in brackets)."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
     table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     shown = records if wide else [r for r in records if r["status"] not in ("unavailable", "skipped")]
     all_rows = rows(records)
@@ -339,8 +340,6 @@ def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
 def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, csv_path: Path | None,
              wide: bool) -> None:
     """`python -m harness report`: merges results files, shows the table, writes what is asked. Raises BadInput."""
-    from rich.console import Console
-
     records, meta = load_records(inputs)
     if not records:
         raise BadInput(f"no records in {', '.join(map(str, inputs))}")

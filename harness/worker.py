@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import save_file
 
 from core import train
 from core.cell import Built, Cell, Store
@@ -162,8 +163,6 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     out = built.forward(example)
     sync_of(built, cell)()
     result["cold"]["first_result_s"] = time.perf_counter() - t
-    from safetensors.torch import save_file
-
     if cell.task == "train":  # the parity steps: the first was the first result, from the run's weights
         losses = [out] + [built.forward(example) for _ in range(int(kv["parity-steps"]) - 1)]
         save_file(train.output_tensors(losses, built.state()), kv["output"])

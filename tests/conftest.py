@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from core.paths import REPO  # noqa: E402  (after TRITON_INTERPRET)
 # A protocol small enough for the CPU: the measurement code paths are all exercised, just briefly.
 FAST = ["--iters", "3", "--min-time", "0", "--warmup-max", "2", "--warmup-s", "0", "--util-s", "0.05"]
 

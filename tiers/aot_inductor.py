@@ -21,8 +21,9 @@ import torch
 
 from core.cell import Built, Cell
 from tiers.base import PythonTier
+from tiers.exports import run_export
 from tiers.exports.aot_inductor import OPTIONS, missing_api, option, package
-from tiers.libtorch import LibTorch, export_process
+from tiers.libtorch import LibTorch
 
 # torch builds whose Python loader crashes on every CUDA package (docs/notes/aoti-python-cuda-crash.md): on the lent
 # H100, torch 2.11.0+cu130's aoti_load_package dies by SIGSEGV while building the model container, for ResNet-50
@@ -76,7 +77,7 @@ class AotInductorCpp(LibTorch):
         """The package, built (or found) in the Python rung's cache by a process of its own: both rungs load one
         package, and the parent keeps no CUDA context while the child is measured."""
         shared = Path(cache).parent / AotInductor.name
-        facts = export_process("tiers.exports.aot_inductor", "AOTInductor package", [
+        facts = run_export("tiers.exports.aot_inductor", "AOTInductor package", [
             "--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--cache", str(shared)])
         return {"pt2-path": facts["path"], "cached": str(int(facts["cached"])), "export-s": f"{facts['export_s']:.3f}",
                 "aot-compile-s": f"{facts['aot_compile_s']:.3f}", "package-bytes": str(facts["package_bytes"]),

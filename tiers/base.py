@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from core.cell import DTYPES, Built, Cell, Store
 
 
@@ -94,8 +96,6 @@ class PythonTier(Tier):
 
     def hot_start(self, built: Built, example: Any, cell: Cell) -> dict[str, Any]:
         """The hot start: in the same process, the first call at a new batch size (batch + 1), synchronised."""
-        import torch
-
         if not self.changes_batch(cell):
             return {"batch_change": None, "reason": f"{cell.label} runs one fixed batch size"}
         bigger = torch.cat([example, example[:1]])

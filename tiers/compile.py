@@ -85,7 +85,7 @@ def guard_cost(code, f_locals: dict) -> dict:
     """Guard count of the entry Dynamo picks for a call of `code` with these frame locals, and the cost of
     finding it."""
     try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # a private API: its absence is reported
     except ImportError as e:
         return {"guards": None, "guard_check_us": None, "guard_note": f"Dynamo internals not reachable: {e}"}
     entries = _debug_get_cache_entry_list(code)

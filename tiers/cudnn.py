@@ -28,9 +28,10 @@ MICRO_REPS = 20  # timed runs of each convolution in `micro`
 
 
 def _wheel_dirs() -> list[Path]:
-    """Roots of the `nvidia` namespace package that PyTorch's CUDA wheels install into (nvidia/cudnn, nvidia/cu13...)."""
+    """Roots of the `nvidia` namespace package that PyTorch's CUDA wheels install into (nvidia/cudnn,
+    nvidia/cu13, ...)."""
     try:
-        import nvidia
+        import nvidia  # the namespace of torch's CUDA wheels, absent from a CPU build
     except ImportError:
         return []
     return [Path(p) for p in nvidia.__path__]
@@ -141,7 +142,9 @@ class CudnnTier(ExternalTier):
         return {"cudnn": tc.cudnn_version, "cuda": tc.cuda_version, "torch": torch.__version__, "arch": _cuda_arch()}
 
     def built(self, cell: Cell) -> bool:
-        return self.availability("cuda") is None and (build_dir("cudnn", self._key(), "ladder_cudnn") / "ladder_cudnn").exists()
+        if self.availability("cuda") is not None:  # no toolchain: nothing can be built (and _key would raise)
+            return False
+        return (build_dir("cudnn", self._key(), "ladder_cudnn") / "ladder_cudnn").exists()
 
     def binary(self) -> Path:
         """The rung's binary, built once per toolchain and source digest."""

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-from core import proc as procs
 from core.cbuild import build_dir, cmake_build, sources_missing
 from core.cell import Cell, Unavailable
-from core.paths import REPO
 from tiers.base import ExternalTier
+from tiers.exports import run_export
 
 
 def _cuda_home() -> Path | None:
@@ -43,16 +41,6 @@ def _missing() -> str | None:
     if home is None or not (home / "include" / "cuda_runtime.h").exists():
         return "CUDA toolkit not found (set CUDA_HOME; torch's CMake package needs its headers and cudart)"
     return None
-
-
-def export_process(module: str, what: str, args: list[str]) -> dict:
-    """Runs `python -m module args` (an export for a C++ rung) in a process of its own, so that the parent keeps no
-    CUDA context while the child is measured; returns the JSON facts it prints on its last line."""
-    proc = procs.run([sys.executable, "-m", module, *args], cwd=REPO, env=procs.child_env(), capture_output=True,
-                     text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 class LibTorch(ExternalTier):
@@ -101,7 +89,7 @@ class TorchScriptCpp(LibTorch):
         """Exports the cell's TorchScript module into `workdir` in a process of its own
         (tiers/exports/torchscript.py)."""
         out = Path(workdir) / "model.torchscript.pt"
-        facts = export_process("tiers.exports.torchscript", "TorchScript export",
+        facts = run_export("tiers.exports.torchscript", "TorchScript export",
                                ["--cell", json.dumps(cell.to_dict()), "--weights", str(weights), "--out", str(out)])
         return {"ts-path": str(out), "export-s": f"{facts['torchscript_export_s']:.3f}"}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 
+import numpy as np
 import torch
 
 from core.cell import Built
@@ -18,8 +19,6 @@ BF16_EXPORT = ("torch's ONNX exporter makes an invalid bfloat16 graph of this mo
 
 
 def ort_element_type(dtype: torch.dtype):
-    import numpy as np
-
     return {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
 
 
@@ -34,7 +33,7 @@ class OnnxRuntime(PythonTier):
 
     def availability(self, device):
         try:
-            import onnxruntime as ort
+            import onnxruntime as ort  # optional: availability() says why it is missing
         except ImportError as e:
             return f"onnxruntime not installed ({e})"
         if device == "cuda" and self.provider not in ort.get_available_providers():
@@ -58,7 +57,7 @@ class OnnxRuntime(PythonTier):
         return [(self.provider, self.provider_options(cell, stream, store)), "CPUExecutionProvider"]
 
     def build(self, model, example, cell, store):
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional: availability() says why it is missing
 
         workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
         path, facts = export_onnx(model, example, cell, workdir.name)

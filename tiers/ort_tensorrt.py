@@ -20,7 +20,7 @@ def preload_tensorrt() -> None:
     """A pip-installed TensorRT keeps libnvinfer inside site-packages, off the loader's search path; importing
     `tensorrt` loads it into the process, where ORT's provider library then finds it by its soname."""
     with contextlib.suppress(ImportError, OSError):
-        import tensorrt  # noqa: F401
+        import tensorrt  # noqa: F401  (optional: loads libnvinfer where installed)
 
 
 class OrtTensorRT(OnnxRuntime):
@@ -37,7 +37,7 @@ class OrtTensorRT(OnnxRuntime):
         reason = super().availability(device)
         if reason:
             return reason
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional: availability() says why it is missing
 
         # onnxruntime-gpu lists the provider whether or not TensorRT is installed; loading its library as ORT does
         # (the shared provider bridge first, globally) gives the loader's own words for what is missing, such as
@@ -58,7 +58,7 @@ class OrtTensorRT(OnnxRuntime):
         return super().supports(cell)
 
     def provider_options(self, cell, stream, store) -> dict:
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional: availability() says why it is missing
 
         gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_capability())
         # ORT names its engine files by graph and profile; the directory adds what it leaves out.

@@ -23,7 +23,7 @@ MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_re
 
 
 def triton_version() -> str:
-    import triton
+    import triton  # optional: availability() says why it is missing
 
     return triton.__version__
 
@@ -50,14 +50,14 @@ class TritonTier(PythonTier):
         if device == "cpu":
             return None if os.environ.get("TRITON_INTERPRET") == "1" else "Triton needs a GPU or TRITON_INTERPRET=1"
         try:
-            import triton  # noqa: F401
+            import triton  # noqa: F401  (optional: availability() says why)
         except ImportError as e:
             return f"triton is not importable: {e}"
         return None
 
     def build(self, model, example, cell: Cell, store: Store) -> Built:
         from kernels.triton import tuning  # Triton itself: imported only where it runs (availability says why not)
-        from kernels.triton.resnet import TritonResNet
+        from kernels.triton.resnet import TritonResNet  # as above
 
         tune = cell.option("autotune", "on") == "on"
         tuned_file = store.cache / "tuned.json" if store.cache else None
@@ -89,9 +89,9 @@ class TritonTier(PythonTier):
         """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,
         autotuned) vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor
         (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""
-        from triton.testing import do_bench
+        from triton.testing import do_bench  # Triton: only where it runs
 
-        from kernels.triton.conv import conv2d, pack_conv
+        from kernels.triton.conv import conv2d, pack_conv  # Triton: only where it runs
 
         tdt, precision = torch_dtype(dtype), _precision(dtype)
         set_math_mode(dtype)

@@ -11,7 +11,6 @@ neither export nor compile. For `aot-inductor-cpp` the parent runs `python -m ti
 JSON --weights W --cache DIR` in a process of its own, as torchscript-cpp's export does."""
 from __future__ import annotations
 
-import argparse
 import copy
 import fcntl
 import hashlib
@@ -24,8 +23,8 @@ from typing import Any
 import torch
 
 from core.cell import Cell, Store
-from core.model import load_model
 from core.placement import place_model, zero_example
+from tiers.exports import command_line
 
 # The rungs' options (`--option aot-inductor:KEY=VALUE`, the same for aot-inductor-cpp), each value's default first.
 OPTIONS = {
@@ -47,7 +46,7 @@ TRACE_BATCH = 256
 
 def missing_api() -> str | None:
     """The exact reason this torch cannot build or load packages, or None."""
-    import torch._inductor as inductor
+    import torch._inductor as inductor  # Inductor: seconds to import
 
     for owner, name in ((torch.export, "export"), (torch.export, "Dim"), (inductor, "aoti_compile_and_package"),
                         (inductor, "aoti_load_package")):
@@ -139,16 +138,11 @@ def compile_configs(mode: str, device: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Builds (or finds) the AOTInductor package of one cell.")
-    p.add_argument("--cell", required=True, help="the cell as JSON (Cell.to_dict)")
-    p.add_argument("--weights", type=Path, required=True)
-    p.add_argument("--cache", type=Path, required=True)
-    a = p.parse_args()
-    cell = Cell.from_dict(json.loads(a.cell))
+    cell, model, cache = command_line("Builds (or finds) the AOTInductor package of one cell.", "cache")
     # Inductor's and Triton's caches in the run's cache directory, as the Python rung's: a package compiled here is
     # compiled cold, whatever earlier runs left on the machine.
-    os.environ.update(Store(cache=a.cache).library_env())
-    path, facts = package(load_model(cell.model, a.weights), zero_example(cell), cell, a.cache)
+    os.environ.update(Store(cache=cache).library_env())
+    path, facts = package(model, zero_example(cell), cell, cache)
     print(json.dumps({"path": str(path), **facts}))  # the parent reads the last line
 
 

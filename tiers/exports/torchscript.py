@@ -10,7 +10,6 @@ packs weights for oneDNN into objects that cannot be serialised (loading fails w
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 import warnings
@@ -19,9 +18,8 @@ from typing import Any
 
 import torch
 
-from core.cell import Cell
-from core.model import load_model
 from core.placement import place_model, zero_example
+from tiers.exports import command_line
 
 
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
@@ -43,14 +41,8 @@ def export_torchscript(model: torch.nn.Module, example: torch.Tensor,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Exports the TorchScript module of one cell (torchscript-cpp rung).")
-    p.add_argument("--cell", required=True, help="the cell as JSON (Cell.to_dict)")
-    p.add_argument("--weights", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    a = p.parse_args()
-    cell = Cell.from_dict(json.loads(a.cell))
-    model = place_model(load_model(cell.model, a.weights), cell)
-    _, facts = export_torchscript(model, zero_example(cell), a.out)
+    cell, model, out = command_line("Exports the TorchScript module of one cell (torchscript-cpp rung).", "out")
+    _, facts = export_torchscript(place_model(model, cell), zero_example(cell), out)
     print(json.dumps(facts))  # the parent reads the facts from the last line
 
 
