@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.cell import Cell, layout_name
+from core.stats import median
 from harness.record import bound
 from harness.report import BadInput, load_records, markdown_table
 from tiers import identity
@@ -27,11 +28,12 @@ def median_ratio_ci(a: list[float], b: list[float], resamples: int = 2000, seed:
     """median(b) / median(a), and the percentile bootstrap interval of that ratio (each run resampled on its own)."""
     rng = np.random.default_rng(seed)
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    med_a = np.median(a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
+    med_a = np.median(  # the same median as core.stats, vectorised over the resamples
+        a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
     med_b = np.median(b[rng.integers(0, len(b), (resamples, len(b)))], axis=1)
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(med_b / med_a, [tail, 100 - tail])
-    return float(np.median(b) / np.median(a)), float(low), float(high)
+    return median(b.tolist()) / median(a.tolist()), float(low), float(high)
 
 
 def verdict(ratio: float, low: float, high: float, threshold: float) -> str:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.stats import median
+
 SLOW = 1.2  # a chunk is slow when it takes more than this times the probe's fastest tenth
 
 
@@ -104,7 +106,7 @@ def coincidence(series: dict[int, list[tuple[float, float]]], window_s: float = 
         for t, m in s:
             by_window.setdefault(int(t / window_s), []).append(m)
         for k, ms in by_window.items():
-            windows.setdefault(k, []).append(sorted(ms)[len(ms) // 2] > SLOW * p10[c])
+            windows.setdefault(k, []).append(median(ms) > SLOW * p10[c])
     return {"windows": len(windows), "some_cpu_slow": sum(any(v) for v in windows.values()),
             "all_cpus_slow": sum(all(v) for v in windows.values()), "window_s": window_s}
 

@@ -63,3 +63,11 @@ def test_the_check_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from harness.record import bound\n    return bound\n")
     assert imports(bad) == [("harness.record", True, 2)]
+
+
+def test_every_package_is_installed():
+    """`pip install -e .` maps each package of the layers (run from any directory, `import core` must work)."""
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in include} == set(ALLOWED)
