@@ -22,6 +22,7 @@ from rich.console import Console
 
 from core.cell import Cell, Store
 from core.env import default_device, environment
+from core.files import write_text_atomic
 from core.placement import memory_format, set_math_mode
 from core.train import learning_rate
 from harness.plots import accuracy_curves
@@ -184,7 +185,7 @@ def write(doc: dict, out: Path, console: Console) -> None:
     """accuracy.json, accuracy.md (a table of test accuracy per epoch) and the plot; one line per rung."""
     results, data = doc["rungs"], doc["data"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(doc, indent=1))
+    write_text_atomic(out / "accuracy.json", json.dumps(doc, indent=1))
     plot = accuracy_curves(doc, out / "plots" / "accuracy.png") if results else None
     table = [{"rung": r["rung"], **{f"epoch {c['epoch']}": f"{100 * c['test_accuracy']:.1f}" for c in r["curve"]},
               "train s": f"{sum(c['epoch_s'] for c in r['curve']):.1f}", "build s": f"{r['build_s']:.1f}"}
@@ -197,7 +198,7 @@ def write(doc: dict, out: Path, console: Console) -> None:
     lines += [f"- {name}: skipped: {reason}" for name, reason in doc["skipped"].items()]
     if plot:
         lines += ["", "![test accuracy per epoch](plots/accuracy.png)", ""]
-    (out / "accuracy.md").write_text("\n".join(lines))
+    write_text_atomic(out / "accuracy.md", "\n".join(lines))
     for r in results:
         console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after {doc['epochs']} "
                       "epochs", markup=False)

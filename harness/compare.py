@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from core.cell import Cell, layout_name
+from core.files import write_text_atomic
 from core.stats import median
-from harness.record import bound
+from harness.record import bound, ranked
 from harness.report import BadInput, load_records, markdown_table
 from tiers import identity
 
@@ -62,6 +64,8 @@ def compare(a_records: list[dict], b_records: list[dict], threshold: float) -> l
                               "now ok" if b["status"] == "ok" else f"{b['status']} in both")
             if a["status"] == "ok" and b["status"] in FAILED:
                 row["verdict"] = f"regression: now {b['status']}"
+        elif not (ranked(a) and ranked(b)):
+            row["verdict"] = "interpreted: not a speed"
         else:
             row.update(a_ms=a["latency_ms"]["median"], b_ms=b["latency_ms"]["median"],
                        host_bound="host" in (bound(a), bound(b)))
@@ -127,7 +131,7 @@ def run(a: Path, b: Path, threshold: float, markdown_path: Path | None) -> int:
     rows = compare(*loaded, threshold=threshold)
     console = Console()
     both = [r for r in rows if not r["verdict"].startswith("only in")]
-    console.print(rich_table(both, title=f"B/A: median latency, B = {b}, A = {a}"))
+    console.print(rich_table(both, title=escape(f"B/A: median latency, B = {b}, A = {a}")))
     for side in ("A", "B"):
         alone = sum(r["verdict"] == f"only in {side}" for r in rows)
         if alone:
@@ -139,5 +143,5 @@ def run(a: Path, b: Path, threshold: float, markdown_path: Path | None) -> int:
                   f"{threshold:.1%}; 95% bootstrap CI of the median's ratio)", markup=False)
     if markdown_path:
         markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        markdown_path.write_text(markdown(rows, str(a), str(b), threshold))
+        write_text_atomic(markdown_path, markdown(rows, str(a), str(b), threshold))
     return 1 if n else 0

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.files import write_text_atomic
 from core.stats import median
 
 SLOW = 1.2  # a chunk is slow when it takes more than this times the probe's fastest tenth
@@ -128,7 +129,7 @@ def main() -> None:
     print(f"{w['windows']} windows of {w['window_s']} s: some CPU slow in {w['some_cpu_slow']}, "
           f"all slow in {w['all_cpus_slow']}")
     if args.json:
-        args.json.write_text(json.dumps(out))
+        write_text_atomic(args.json, json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from core import proc as procs
 from core.cell import Cell
 from core.env import default_device, device_slug, environment
+from core.files import write_text_atomic
 from core.paths import REPO
 from harness import report
 from harness.context import Context
@@ -98,7 +99,7 @@ def run_metadata(run_dir: RunDir, config: LadderConfig, device: str, console: Co
     if device == "cuda":
         with console.status("measuring the GPU's matmul peak (cuBLAS)"):
             meta["peak_tflops"]["measured"] = matmul_peak(run_dir)
-    meta_path.write_text(json.dumps(meta, indent=1))
+    write_text_atomic(meta_path, json.dumps(meta, indent=1))
     return meta
 
 
@@ -145,11 +146,16 @@ def measure_with_progress(ctx: Context, todo: list[Cell], records: dict[str, dic
             ctx.on_phase = lambda cell, ph: progress.update(
                 task, description=escape(f"{cell.label} b{cell.batch} r{cell.res} {cell.dtype}: {ph}"))
 
+            said: set[tuple] = set()  # (rung, status, reason) already shown: the final lines count the cells
+
             def on_record(rec: dict) -> None:
                 ctx.run.append(rec)
                 records[identity(Cell.of_record(rec))] = rec
-                progress.console.print(report.progress_line(rec), markup=False,
-                                       style=None if rec["status"] == "ok" else "red")
+                repeat = (rec["label"], rec["status"], rec.get("reason"))
+                if rec["status"] == "ok" or repeat not in said:
+                    said.add(repeat)
+                    progress.console.print(report.progress_line(rec), markup=False, no_wrap=True,
+                                           overflow="ellipsis", style=None if rec["status"] == "ok" else "red")
                 progress.advance(task)
 
             for tier_cells in groups.values():
@@ -168,8 +174,8 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
                            "builds": builds})
     what = " (training steps)" if config.task == "train" else ""
     if records:
-        console.print(report.rich_table(records, wide=config.wide,
-                                        title=f"{config.model}{what} on {device_slug(meta['environment'])}"))
+        title = f"{config.model}{what} on {device_slug(meta['environment'])}"
+        report.print_table(console, report.rich_table(records, wide=config.wide, title=title), config.wide)
     for line in report.failure_lines(records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     for line in report.fastest_lines(records):

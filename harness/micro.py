@@ -8,7 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from core.env import environment
+from core.env import default_device, environment
+from core.files import write_text_atomic
 from harness.report import columns, markdown_table
 from tiers import get_tier
 
@@ -20,9 +21,11 @@ class Refusal(Exception):
 def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, json_path: Path | None,
         md_path: Path | None) -> None:
     tier = get_tier(tier_name)
+    if default_device() != "cuda":
+        raise Refusal(f"micro: {tier_name}'s microbenchmark times GPU kernels; no NVIDIA GPU here (NVML found none)")
     reason = tier.availability("cuda")
     if reason:
-        raise Refusal(f"{tier_name} micro needs the GPU: {reason}")
+        raise Refusal(f"micro: {tier_name} cannot run on this GPU: {reason}")
     rows = tier.micro(batch, res, dtype, channels_last)
     # The terminal shows each layer's name and its timings; --json and --markdown keep every column.
     cols = columns(rows)
@@ -35,8 +38,8 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, j
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown])
     Console().print(table)
     if json_path:
-        json_path.write_text(json.dumps({"environment": environment("cuda"), "tier": tier_name, "batch": batch,
+        write_text_atomic(json_path, json.dumps({"environment": environment("cuda"), "tier": tier_name, "batch": batch,
                                          "res": res, "dtype": dtype, "rows": rows}, indent=1))
     if md_path:
-        md_path.write_text(f"# {tier_name} microbenchmark (batch {batch}, res {res}, {dtype})\n\n"
+        write_text_atomic(md_path, f"# {tier_name} microbenchmark (batch {batch}, res {res}, {dtype})\n\n"
                            + "\n".join(markdown_table(rows)) + "\n")

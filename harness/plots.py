@@ -7,6 +7,8 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+from harness.record import ranked
+
 MIB = 2**20
 
 
@@ -96,7 +98,7 @@ def _panel_name(key: tuple, keys: list[tuple]) -> str:
 def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
     """'throughput' (img/s = batch / median latency, synchronous) or 'latency' (median ms with its 95% CI) against
     batch size: one line per rung, one panel per dtype."""
-    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    ok = [r for r in doc["results"] if ranked(r)]
     if len({r["batch"] for r in ok}) < 2:
         return None
     plt = _pyplot()
@@ -142,7 +144,7 @@ def call_costs(r: dict) -> dict[str, float]:
 
 def overhead(doc: dict, path: Path) -> Path | None:
     """Per-call costs at the smallest batch: stacked bars per rung, one panel per dtype."""
-    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    ok = [r for r in doc["results"] if ranked(r)]
     if not ok:
         return None
     batch = min(r["batch"] for r in ok)
@@ -175,7 +177,7 @@ def first_result(doc: dict, path: Path) -> Path | None:
     cell measured (cold, or warm-start from kept caches) and, where the prepare stage had one, its cold start."""
     firsts = {}
     for r in doc["results"]:
-        if r["status"] == "ok" and r.get("cold") and r.get("process_position", 0) == 0:
+        if ranked(r) and r.get("cold") and r.get("process_position", 0) == 0:
             firsts.setdefault(r["label"], r)
     if not firsts:
         return None
@@ -235,7 +237,7 @@ def memory(doc: dict, path: Path) -> Path | None:
 
 def tflops_share(doc: dict, path: Path) -> Path | None:
     """Achieved TFLOP/s as a share of the measured cuBLAS matmul rate for the dtype, against batch size."""
-    ok = [r for r in doc["results"] if r["status"] == "ok"
+    ok = [r for r in doc["results"] if ranked(r)
           and (r.get("tflops") or {}).get("share_of_measured_peak") is not None]
     if not ok:
         return None

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from core import proc as procs
 from core.cell import Cell
+from core.files import write_text_atomic
 from core.paths import REPO
 from harness.context import Context
 from harness.contract import contract_argv
@@ -80,7 +81,7 @@ class PrepareStage:
             files = {"weights": ctx.run.weights_for(c.task), "input": ctx.run.input(c.batch, c.res),
                      "output": d / "warm-output.safetensors", "result": d / "warm.json.result"}
             argvs.append(contract_argv([], c, files, ctx.protocol, {"build-only": "1", **ctx.store_args(store)}))
-        listing.write_text(json.dumps(argvs))
+        write_text_atomic(listing, json.dumps(argvs))
         # A build that would autotune (a shape missing from the tables) must not time kernels beside other jobs:
         # in this process it takes the untuned configuration instead, and the measured process tunes it alone.
         env = procs.child_env(LADDER_NO_AUTOTUNE="1")

@@ -72,7 +72,7 @@ DEFINITIONS = {
               "reserved; allocator_lifetime_peak_bytes: allocator peak since process start (build included); "
               "nvml_process_peak_bytes: NVML's figure for the child process, peak over its untimed phases (NVML is "
               "not polled while timing), CUDA context included (nvml_source says how it was read); rss_peak_bytes: "
-              "peak resident host memory; rungs with "
+              "the child process's own peak resident host memory (VmHWM; null without /proc); rungs with "
               "their own memory plan report workspace_bytes / activation_bytes / weights_bytes; training steps "
               "report weights_bytes, gradient_bytes, optimizer_state_bytes and activations_and_workspace_bytes = "
               "allocator peak minus those and the input (an estimate: at the peak some gradients are not yet "
@@ -97,9 +97,17 @@ DEFINITIONS = {
     "measured_at": "UTC time the cell's measurement began (before its process was started)",
     "source": "digest of the project's source files that measured the cell (environment.source: the same digest, "
               "with the git commit where the run had one; core.env.source_revision)",
+    "interpreted": "true where the rung's kernels ran in an interpreter (Triton's, TRITON_INTERPRET=1 on the CPU): "
+                   "its parity is real, its timings are the interpreter's and are never ranked, plotted or "
+                   "compared as a speed",
     "build_stats": "rung-specific facts (e.g. compile: graphs, graph breaks, guards, recompiles on a batch change, "
                    "guard-check cost; onnxruntime: providers in use; C++ rungs: algorithms chosen)",
 }
+
+
+def ranked(r: dict) -> bool:
+    """Whether the record's timings are a speed to compare and rank: measured ok, and not in an interpreter."""
+    return r["status"] == "ok" and not r.get("interpreted")
 
 
 def bound(r: dict) -> str | None:
@@ -149,6 +157,7 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     record["parity"] = parity = check_parity(ctx, cell)
     record["cold"] = {**raw["cold"], "time_to_first_result_s": sum(raw["cold"].values())}
     record["build_stats"] = raw["build_stats"]
+    record["interpreted"] = bool(raw["build_stats"].get("interpreted"))
     record["hot_start"] = raw.get("hot_start")
     record["stream"] = raw["stream"]
     nvml = record.pop("nvml")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from core import train
 from core.cell import Cell, Store
+from core.files import write_text_atomic
 from core.model import load_model, read_tensor
 from core.placement import set_math_mode, torch_dtype
 from tiers import get_tier
@@ -44,8 +46,8 @@ def measured_peak(output: str) -> None:
         b = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
         ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
         rates[name] = 2 * n**3 / ms / 1e9
-    with open(output, "w") as f:
-        json.dump({"tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; fp32 4096), random data"}, f)
+    write_text_atomic(Path(output), json.dumps({"tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; "
+                                                "fp32 4096), random data"}))
 
 
 if __name__ == "__main__":

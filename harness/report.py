@@ -13,8 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from core.cell import Cell, layout_name
+from core.files import write_text_atomic
 from harness.plots import write_plots
-from harness.record import bound, document
+from harness.record import bound, document, ranked
 from harness.rundir import read_jsonl
 from tiers import identity
 
@@ -30,7 +31,7 @@ def eager_baseline(records: list[dict], r: dict) -> dict | None:
 
 def speedup(base: dict | None, r: dict) -> float | None:
     """r's speed-up over its eager baseline (eager_baseline)."""
-    if base is None or r["status"] != "ok":
+    if base is None or not ranked(r):
         return None
     return base["latency_ms"]["median"] / r["latency_ms"]["median"]
 
@@ -53,6 +54,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
     out = []
     for r in records:
         ok = r["status"] == "ok"
+        speed = ranked(r)  # an interpreted cell's timings are shown as such, never as img/s or a speed-up
         lat = r.get("latency_ms") or {}
         mem = r.get("memory") or {}
         nv = mem.get("nvml_process_peak_bytes")
@@ -61,7 +63,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         base = eager_baseline(records, r)
         vs_eager = speedup(base, r)
         out.append({
-            "rung": r["label"],
+            "rung": r["label"] + (" (interpreted)" if ok and not speed else ""),
             "task": r.get("task", "infer"),
             "batch": str(r["batch"]),
             "res": str(r["res"]),
@@ -72,15 +74,15 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "median ms": _fmt(lat.get("median"), ".3f") if ok else "",
             "p99 ms": _fmt(lat.get("p99"), ".3f") if ok else "",
             "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
-            "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if ok else "",
-            "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if ok else "",
+            "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if speed else "",
+            "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
             "vs eager": (_fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
                          if vs_eager else ""),
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
-            "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if ok else "",
+            "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed else "",
             "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
-            "img/J": _fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if ok else "",
+            "img/J": _fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
             "GPU MiB (NVML)": _fmt(nv / 2**20, ".0f") if nv else "",
             "alloc MiB": _fmt(alloc / 2**20, ".0f") if alloc else "",
             "parity": ("" if par.get("ok") is None else
@@ -237,12 +239,22 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
     return table
 
 
+def print_table(console: Console, table: Table, wide: bool) -> None:
+    """The compact table fits the terminal; the wide one keeps every column whole at its natural width (the
+    terminal wraps its lines, `less -S` scrolls them) rather than squeezing the rung's name out."""
+    if wide:  # rich renders no wider than its console: a console as wide as the table, on the same output
+        width = console.measure(table, options=console.options.update_width(10**4)).maximum
+        console = Console(width=max(console.width, width), file=console.file, force_terminal=console.is_terminal,
+                          color_system=console.color_system)
+    console.print(table)
+
+
 def progress_line(rec: dict) -> str:
     """One line per finished cell in the live progress: its median, or its failure and reason."""
     line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
             f"{rec['status']}: {rec.get('reason')}")
     flag = "  (contended)" if (rec.get("contention") or {}).get("flagged") else ""
-    return f"  {rec['label']:26.26s} b{rec['batch']:<4d} {rec['dtype']:5s} {rec['layout']} {line[:200]}{flag}"
+    return f"  {rec['label']:22.22s} b{rec['batch']:<4d} {rec['dtype']:5s} {rec['layout']} {line[:300]}{flag}"
 
 
 def failure_lines(records: list[dict]) -> list[str]:
@@ -263,7 +275,7 @@ def failure_lines(records: list[dict]) -> list[str]:
 
 def fastest_lines(records: list[dict]) -> list[str]:
     """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
-    ok = [r for r in records if r["status"] == "ok"]
+    ok = [r for r in records if ranked(r)]
     out = []
     def config(r: dict) -> tuple:
         return r.get("task", "infer"), r["batch"], r["dtype"], r["channels_last"], r["res"]
@@ -289,7 +301,7 @@ def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Pat
     for path, text in texts:  # the JSON first: it is the source of truth
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text())
+            write_text_atomic(path, text())
     return [p for _, p in plots]
 
 
@@ -347,7 +359,7 @@ def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, c
     doc = document(records, meta.get("environment", {}), meta.get("protocol", {}),
                           {"peak_tflops": meta.get("peak_tflops"), "runs": meta["runs"], **one_run})
     console = Console()
-    console.print(rich_table(records, wide=wide))
+    print_table(console, rich_table(records, wide=wide), wide)
     for line in failure_lines(records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     write(doc, json_path, md_path, csv_path)

@@ -7,31 +7,19 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import warnings
 from pathlib import Path
-from typing import Callable
 
 from core import model as model_io
 from core import proc as procs
 from core.cell import Cell
+from core.files import write_atomic
 from core.paths import REPO
 from harness.failures import failure_status
 from tiers import identity
 
 # Statuses a rerun keeps; the others (crashed, timeout, oom, error, unavailable, interrupted, contended) run again.
 KEPT = ("ok", "parity-fail", "skipped")
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one rename: a reader (or a
-    crash) sees the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class RunLocked(Exception):

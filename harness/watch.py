@@ -17,6 +17,7 @@ from typing import Callable
 from core import proc as procs
 from core.cell import Cell, Unavailable
 from core.env import utc_now
+from core.files import write_text_atomic
 from core.paths import REPO
 from harness.contention import Contention
 from harness.context import Context
@@ -116,7 +117,7 @@ class ChildRun:
             return contract_argv(program, jobs[0].cell, jobs[0].files, protocol, jobs[0].extra)
         # one process measures the cells in turn (harness/worker.py and cpp/common/ladder/protocol.h `--cells`)
         listing = cell_dir(self.ctx.run, self.cells[0]) / "cells.json"
-        listing.write_text(json.dumps([contract_argv([], j.cell, j.files, protocol, j.extra) for j in jobs],
+        write_text_atomic(listing, json.dumps([contract_argv([], j.cell, j.files, protocol, j.extra) for j in jobs],
                                       ensure_ascii=False))
         return program + ["--cells", str(listing)]
 

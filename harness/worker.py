@@ -10,7 +10,6 @@ import gc
 import json
 import math
 import os
-import resource
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 
 from core import train
 from core.cell import Built, Cell, Store
+from core.files import write_text_atomic
 from core.model import load_model, read_tensor
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.stats import median, median_ci_rel
@@ -306,6 +306,20 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
         result["hot_start"] = tier.hot_start(built, example, cell)
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's own peak resident memory: VmHWM of /proc/self/status, which exec resets. Not getrusage's
+    ru_maxrss, which carries the ladder parent's peak across fork and exec. None where there is no /proc (absent,
+    not approximate). cpp/common/ladder/protocol.h peak_rss_bytes does the same."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     """One cell: cold part, then (unless --build-only 1) the warm phases. The result JSON of docs/protocol.md."""
     cell = cell_of(kv, options)
@@ -319,7 +333,7 @@ def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
         return result
     measure(kv, cell, tier, built, example, result)
     phase("done")
-    result["rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["rss_peak_bytes"] = peak_rss_bytes()
     return result
 
 
@@ -335,8 +349,7 @@ def run_one(argv: list[str]) -> bool:
         return False
     finally:
         gc.collect()
-    with open(kv["result"], "w") as f:
-        json.dump(result, f)
+    write_text_atomic(Path(kv["result"]), json.dumps(result))  # the parent reads a whole result or none
     return True
 
 

@@ -120,10 +120,13 @@ def test_resume_skips_recorded_cells(tmp_path):
 
 
 def test_unavailable_rung_is_reported_and_skipped_cells_say_why(tmp_path):
-    proc = ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32", "--dtype", "fp32,bf16")
+    proc = ladder(tmp_path, "--tiers", "eager,tensorrt", "--batch", "1,2", "--res", "32", "--dtype", "fp32,bf16")
     assert proc.returncode == 0
-    bf16 = next(r for r in records(tmp_path) if r["dtype"] == "bf16")
+    bf16 = next(r for r in records(tmp_path) if r["dtype"] == "bf16" and r["tier"] == "eager")
     assert bf16["status"] == "skipped" and "only fp32" in bf16["reason"]
+    # the live progress says each reason once, and the final lines count the cells it covers
+    assert proc.stdout.count("TensorRT needs an NVIDIA GPU") == 2, proc.stdout
+    assert "tensorrt 4 cells: unavailable: TensorRT needs an NVIDIA GPU" in proc.stdout
 
 
 def test_report_merges_a_cell_run_with_its_rung_default_option_and_without(python_rungs, tmp_path):

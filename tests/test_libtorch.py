@@ -126,3 +126,21 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
         assert r["pipelined"]["iters"] == max(TINY.pipelined_iters, math.ceil(TINY.pipelined_s * 1e3 / median))
         assert all(v == [] for v in r["e2e"].values())  # skipped on the CPU by both
         assert r["warmup"]["iters"] == TINY.warmup_min  # --warmup-s elapsed during the first call
+
+
+def test_host_rss_is_the_childs_own_peak(programs, files):
+    """Both protocol implementations report their own process's peak resident memory, not the parent's: this
+    process first holds 3 GiB more than either child ever does (getrusage's ru_maxrss would carry it over fork and
+    exec into both children's figures)."""
+    import sys
+
+    from harness.worker import peak_rss_bytes
+
+    ballast = bytearray(3 << 30)  # zero-filled, so resident
+    parent_peak = peak_rss_bytes()
+    for tier, program in (("eager", [sys.executable, "-m", "harness.worker"]), ("libtorch", programs["libtorch"])):
+        proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        rss = json.loads((out / "result.json").read_text())["rss_peak_bytes"]
+        assert 50 << 20 < rss < parent_peak - (2 << 30), (tier, rss, parent_peak)
+    del ballast

@@ -77,6 +77,21 @@ def test_bound_labels_a_cell_by_its_share_of_host_time():
     assert records.bound(record(status="crashed")) is None
 
 
+def test_an_interpreted_cell_is_labelled_and_never_ranked():
+    """Triton under TRITON_INTERPRET=1 is slow and says so: its row is labelled, shows no img/s or speed-up, and
+    the fastest lines and compare pass it over; a compiled cell of the same shape is ranked."""
+    eager = record(latency_ms=2.0)
+    fast_but_interpreted = record(tier="triton", latency_ms=1.0, interpreted=True)
+    rows = report.rows([eager, fast_but_interpreted])
+    assert rows[1]["rung"] == "triton (interpreted)" and rows[1]["img/s"] == rows[1]["vs eager"] == ""
+    assert "fastest eager" in report.fastest_lines([eager, fast_but_interpreted])[0]
+    assert report.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
+    from harness.compare import compare as compare_runs
+
+    verdicts = {r["rung"]: r["verdict"] for r in compare_runs([fast_but_interpreted], [fast_but_interpreted], 0.03)}
+    assert verdicts == {"triton": "interpreted: not a speed"}
+
+
 def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
     """A speed-up over eager is marked only where eager and the rung come from different runs and one of the two is
     host-bound; the same pair from one run, or two GPU-bound cells of two runs, stay unmarked."""

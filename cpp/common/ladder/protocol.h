@@ -3,7 +3,6 @@
 // and this driver does the phases, the timing and the files exactly as harness/worker.py does for Python rungs.
 #pragma once
 #include <cuda_runtime.h>
-#include <sys/resource.h>
 #include <time.h>
 
 #include <algorithm>
@@ -150,6 +149,17 @@ inline double median_ci_rel(std::vector<double> v) {
 
 inline void synchronize(const Args& a, Rung& r) { if (a.on_gpu()) LADDER_CUDA(cudaStreamSynchronize(r.stream())); }
 
+// This process's own peak resident memory: VmHWM of /proc/self/status, which exec resets. Not getrusage's
+// ru_maxrss, which carries the ladder parent's peak across fork and exec. -1 where there is no /proc (absent).
+// harness/worker.py peak_rss_bytes does the same.
+inline long long peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "VmHWM:   123456 kB"
+  return -1;
+}
+
 inline int run_child_impl(const Args& a, const RungFactory& factory) {
   Json result = Json::object();
   Json cold = Json::object();
@@ -290,9 +300,8 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
 
   phase("after");  // the Python worker's rung facts; a C++ rung reports its facts in build_stats at build
   phase("done");
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  result["rss_peak_bytes"] = static_cast<long long>(ru.ru_maxrss) * 1024;
+  long long rss = peak_rss_bytes();
+  if (rss >= 0) result["rss_peak_bytes"] = rss; else result["rss_peak_bytes"] = Json();
   std::ofstream(a.get("result")) << result.dump() << "\n";
   return 0;
 }
