@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from core.env import default_device, environment
 from core.files import write_text_atomic
 from core.placement import memory_format, set_math_mode
 from core.train import learning_rate
+from harness.plan import command_line
 from harness.plots import accuracy_curves
 from harness.report import markdown_table
 from tiers import all_tiers
@@ -133,6 +133,7 @@ class AccuracyConfig:
     device: str | None = None
     seed: int = 0
     out: Path | None = None
+    argv: list[str] = field(default_factory=list)  # the command line that made it (recorded with the results)
 
 
 class Refusal(Exception):
@@ -177,7 +178,7 @@ def run(config: AccuracyConfig) -> None:
            "res": config.res, "seed": config.seed, "data": data, "environment": environment(device),
            "recipe": "the step of core/train.py (SGD, momentum 0.9, weight decay 1e-4, lr 0.1 x batch / 256), "
                      "full shuffled batches; accuracy by the eager model in eval mode with the rung's weights",
-           "command": " ".join(["python -m harness", *sys.argv[1:]]), "rungs": results, "skipped": skipped}
+           "command": command_line(config.argv), "rungs": results, "skipped": skipped}
     write(doc, out, console)
 
 

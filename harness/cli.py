@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     # Warnings meant for the user (a torn results line, say) as one plain line each, not Python's two
     warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
     try:
         return COMMANDS[args.command](args)
     except (ladder.Refusal, accuracy.Refusal, micro.Refusal) as e:
@@ -238,7 +239,7 @@ def ladder_config(args: argparse.Namespace) -> LadderConfig:
                         timeout_s=args.timeout)
     shared = ("command", "model", "task", "tiers", "batch", "res", "dtype", "layout", "cuda_graph", "compile_mode",
               "option", "device", "isolation", "retune", "isolation_check", "jobs", "host_probe", "out", "rerun",
-              "json", "markdown", "csv", "wide")
+              "json", "markdown", "csv", "wide", "argv")
     return LadderConfig(protocol=protocol, **{k: getattr(args, k) for k in shared})
 
 

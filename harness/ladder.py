@@ -24,7 +24,7 @@ from harness import report
 from harness.context import Context
 from harness.host_noise import host_cpu_probe
 from harness.measure import measure_cells, ordered
-from harness.plan import LadderConfig, Refused, check_output_paths, fitting, plan, run_identity
+from harness.plan import LadderConfig, Refused, check_output_paths, command_line, fitting, plan, run_identity
 from harness.prepare import prepare
 from harness.record import document
 from harness.rundir import RunDir, RunLocked
@@ -170,7 +170,7 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
     """The terminal's table, failures and fastest lines; the JSON, markdown (with plots) and CSV files."""
     doc = document(records, meta["environment"], meta["protocol"],
                           {"peak_tflops": meta.get("peak_tflops"), "isolation": meta.get("isolation"),
-                           "command": " ".join(["python -m harness", *sys.argv[1:]]), "wall_s": wall,
+                           "command": command_line(config.argv), "wall_s": wall,
                            "builds": builds})
     what = " (training steps)" if config.task == "train" else ""
     if records:

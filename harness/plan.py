@@ -43,6 +43,12 @@ class LadderConfig:
     markdown: Path | None = None
     csv: Path | None = None
     wide: bool = False
+    argv: list[str] = field(default_factory=list)  # the command line that made it (recorded with the results)
+
+
+def command_line(argv: list[str]) -> str:
+    """What the results record as the command that made them."""
+    return " ".join(["python -m harness", *argv]) if argv else "harness.ladder.run, called from Python"
 
 
 SWEEP_BATCHES = {"cuda": [8, 16, 32, 64, 128, 256, 512, 1024], "cpu": [1, 2, 4, 8, 16]}

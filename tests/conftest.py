@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 
 from core.paths import REPO  # noqa: E402  (after TRITON_INTERPRET)
+
 # A protocol small enough for the CPU: the measurement code paths are all exercised, just briefly.
 FAST = ["--iters", "3", "--min-time", "0", "--warmup-max", "2", "--warmup-s", "0", "--util-s", "0.05"]
 
@@ -36,13 +37,12 @@ def records(out: Path) -> list[dict]:
 def python_rungs(tmp_path_factory):
     """One CPU ladder over the Python rungs, shared by the tests that read its output: harness.ladder.run in this
     process, as the command line calls it (the cells still run in child processes)."""
+    from harness import cli
     from harness import ladder as ladder_run
-    from harness.contract import Protocol
-    from harness.plan import LadderConfig
 
     out = tmp_path_factory.mktemp("python-rungs")
-    config = LadderConfig(tiers=["eager", "torchscript", "compile", "onnxruntime"], batch=[2], res=[32],
-                          device="cpu", out=out, json=out / "ladder.json", markdown=out / "ladder.md",
-                          protocol=Protocol(iters=3, min_time_s=0, warmup_max=2, warmup_s=0, util_s=0.05))
-    assert ladder_run.run(config) == 0
+    argv = ladder_command(out, "--tiers", "eager,torchscript,compile,onnxruntime", "--batch", "2", "--res", "32")[0][3:]
+    args = cli.parser().parse_args(argv)
+    args.argv = argv
+    assert ladder_run.run(cli.ladder_config(args)) == 0
     return out
