@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,26 @@ def wrap(argv: list[str]) -> list[str]:
     return [sys.executable, "-I", str(LAUNCHER), str(os.getpid()), *argv] if LINUX else argv
 
 
+_LIVE: set[subprocess.Popen] = set()  # every child started here, until it is seen to have ended
+_LIVE_LOCK = threading.Lock()
+
+
 def popen(argv: list[str], **kw: Any) -> subprocess.Popen:
-    return subprocess.Popen(wrap(argv), start_new_session=True, **kw)
+    proc = subprocess.Popen(wrap(argv), start_new_session=True, **kw)
+    with _LIVE_LOCK:
+        _LIVE.difference_update([p for p in _LIVE if p.poll() is not None])
+        _LIVE.add(proc)
+    return proc
+
+
+def kill_all() -> int:
+    """Ends every child still running (each whole group): what a Ctrl-C does to jobs running on other threads,
+    which then return at once instead of when their build or export would have ended. Returns how many."""
+    with _LIVE_LOCK:
+        running = [p for p in _LIVE if p.poll() is None]
+    for proc in running:
+        kill_group(proc)
+    return len(running)
 
 
 def run(argv: list[str], timeout: float | None = None, **kw: Any) -> subprocess.CompletedProcess:

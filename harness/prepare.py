@@ -32,9 +32,12 @@ class PrepareStage:
         self.running = 0
         self.lock = threading.Lock()
         self.builds: dict[str, Any] = {}  # the C++ builds' facts, by rung
+        self.stopped = threading.Event()  # set on Ctrl-C: a job starts nothing more
 
     def counted(self, label: str, fn: Callable[[], Any]) -> tuple[Any, int]:
         """fn()'s result, and how many other jobs ran when it started."""
+        if self.stopped.is_set():
+            raise RuntimeError("the ladder was interrupted")
         with self.lock:
             self.running += 1
             beside = self.running - 1
@@ -133,10 +136,18 @@ def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,
     """Runs the prepare stage over `groups` (cells by rung) with `jobs` in parallel; fills ctx.prepared and
     returns the C++ builds' facts."""
     stage = PrepareStage(ctx, on_progress)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
         for f in [pool.submit(t) for t in stage.tasks(groups)]:
             try:
                 f.result()
             except Exception as e:  # a failed preparation is tried again, and recorded, when its cells run
                 warnings.warn(f"prepare: {type(e).__name__}: {e}", stacklevel=1)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: end the running jobs' processes, start no other job
+        stage.stopped.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        while procs.kill_all():  # again, for a job that started its process as the first were ended
+            time.sleep(0.1)
+        raise
+    pool.shutdown()
     return stage.builds

@@ -242,6 +242,32 @@ def test_sigterm_ends_the_ladder_like_ctrl_c_and_leaves_no_child(tmp_path):
     assert [r["tier"] for r in records(tmp_path)] == ["eager", "test-hangs"]  # ladder.json written
 
 
+def test_sigterm_in_the_prepare_stage_ends_the_ladder_at_once(tmp_path):
+    """SIGTERM while the prepare stage builds and warms caches: the ladder ends within seconds, not when its
+    jobs would have ended, and leaves no child."""
+    argv, env = ladder_command(tmp_path, "--tiers", "eager,compile,libtorch", "--batch", "1", "--res", "32")
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, kids = time.time() + 300, set()
+    while time.time() < deadline and not kids:  # a job's process (a warm-up, a C++ build, a reference) runs
+        kids = {p for p in descendants(proc.pid) if "harness.worker" in cmdline(p) or "cmake" in cmdline(p)}
+        time.sleep(0.1)
+    assert kids, "the prepare stage started no job"
+    t = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - t
+    assert proc.returncode == 130, err[-2000:]
+    assert took < 5, f"the ladder took {took:.1f} s to end"  # the issue's 3 s, with room for a loaded CI host
+    assert not alive(descendants(proc.pid) | kids)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_sigkill_of_the_ladder_kills_its_children(tmp_path):
     argv, env = ladder_command(tmp_path, "--tiers", "eager,test-hangs", "--batch", "1", "--res", "32",
                                extra_tiers=True)
