@@ -119,9 +119,10 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     """`plots`: (caption, path relative to the markdown file), embedded after the table."""
     env = doc["environment"]
     gpu = env.get("gpu") or {}
+    merged = len(doc.get("runs") or []) > 1  # then env is the last input's: each run's start is its own
     lines = [f"# Tier ladder: {', '.join(sorted({r['model'] for r in doc['results']}))}", "",
              f"Generated {doc['generated']}"
-             + (f" from a run started {env['started_utc']}" if env.get("started_utc") else "")
+             + (f" from a run started {env['started_utc']}" if env.get("started_utc") and not merged else "")
              + f" on **{gpu.get('name', 'CPU: ' + str(env.get('cpu')))}**"
              + (f" (driver {gpu.get('driver')}, CUDA driver {gpu.get('cuda_driver')})" if gpu else "") + ".",
              f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')}), "
@@ -138,7 +139,9 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
             labels = sorted({r["label"] for r in doc["results"] if r.get("run") == i})
             e = run.get("environment") or {}
             host = (e.get("host_cpu") or {}).get("p90_over_p10")
-            lines += [f"- run {i} ({(e.get('gpu') or {}).get('name', e.get('cpu'))}, torch {e.get('torch')}, ONNX "
+            started = f"started {e['started_utc']}, " if e.get("started_utc") else ""
+            where = (e.get("gpu") or {}).get("name", e.get("cpu"))
+            lines += [f"- run {i} ({started}{where}, torch {e.get('torch')}, ONNX "
                       f"Runtime {e.get('onnxruntime')}{f', host CPU p90/p10 {host:.2f}' if host else ''}; "
                       f"{run['source']}): {', '.join(labels) or 'superseded'}"]
         lines += [""]
@@ -152,16 +155,24 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     if any(row["vs eager"].endswith(CROSS_RUN) for row in table):
         lines += ["", f"{CROSS_RUN} this rung and eager come from different runs and one of the two is host-bound: "
                   "the speed-up divides two draws of the host's speed. Compare such cells within one run."]
-    lines += ["", "How to read it: median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one "
-              "sync per forward); img/s = batch / median; pipelined = no sync between forwards; host us/call = "
-              "CPU time to issue one forward; bound = host where that is most of the latency (the figure then "
-              "measures the host and varies between processes), gpu otherwise; first result = load + build + first "
-              "forward in a fresh process (fresh JIT caches); GPU MiB = NVML per-process peak (CUDA context "
-              "included); alloc MiB = torch allocator peak in steady state; parity rel err = max|out-ref|/max|ref| "
-              "against eager fp32. Full definitions and raw samples are in the JSON.", ""]
+    lines += ["", how_to_read(any(r["device"] == "cuda" for r in doc["results"])), ""]
     for caption, rel in plots:
         lines += [f"## {caption}", "", f"![{caption}]({rel})", ""]
     return "\n".join(lines)
+
+
+def how_to_read(gpu: bool) -> str:
+    """The markdown's key to its columns, for the device its cells ran on."""
+    timing = ("median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one sync per forward)"
+              if gpu else "median/p99 = warm per-forward wall time on the host (the CPU computes the forward)")
+    device_columns = ("; bound = host where the CPU time to issue a forward is most of its latency (the figure "
+                      "then measures the host and varies between processes), gpu otherwise; GPU MiB = NVML "
+                      "per-process peak (CUDA context included); alloc MiB = torch allocator peak in steady state"
+                      if gpu else "; bound, GPU MiB and alloc MiB are GPU figures, empty on the CPU")
+    return (f"How to read it: {timing}; img/s = batch / median; pipelined = no sync between forwards; host us/call "
+            f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
+            "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32. Full "
+            "definitions and raw samples are in the JSON.")
 
 
 def _get(r: dict, path: str):
@@ -220,10 +231,13 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
     all_rows = rows(records)
     by_id = {id(r): row for r, row in zip(records, all_rows)}
     mixed = len({row["task"] for row in all_rows}) > 1  # a merged report of inference and training
+    resolutions = len({row["res"] for row in all_rows}) > 1  # two resolutions must not read as one cell
     cols = [c for c in (list(all_rows[0]) if wide and all_rows else COMPACT) if c != "status"
             and (c != "task" or wide or mixed)]
     if mixed and not wide:
         cols.insert(1, "task")
+    if resolutions and not wide:
+        cols.insert(cols.index("batch") + 1, "res")
     for c in cols:  # only the rung's name may wrap (at '(' of its options); a number or a word never breaks
         table.add_column(c, justify="left" if c in ("rung", "dtype", "layout", "parity", "bound", "start") else "right",
                          no_wrap=c != "rung")

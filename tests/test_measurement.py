@@ -166,3 +166,26 @@ def test_parity_on_the_ladder_weights_tells_another_input_from_rounding(model, r
         assert not compare(wrong, ref, dtype)["ok"], dtype
     verdict = compare(bf16, ref, "bf16")
     assert verdict["ok"] and verdict["rel_err"] < TOLERANCES["bf16"]["rel_err"] / 2, verdict
+
+
+def test_the_terminal_table_tells_two_resolutions_apart():
+    from rich.console import Console
+
+    console = Console(width=80, record=True)
+    console.print(report.rich_table([record(), record(res=64)]))
+    header = next(line for line in console.export_text().splitlines() if line.startswith("rung"))
+    assert header.split()[:3] == ["rung", "batch", "res"]
+    console.print(report.rich_table([record()]))  # one resolution: the compact table keeps its 80 columns
+    assert "res" not in console.export_text().splitlines()[1].split()
+
+
+def test_the_markdown_key_matches_the_device_and_a_merged_report_has_no_single_start():
+    assert "CUDA events" in report.how_to_read(gpu=True)
+    cpu = report.how_to_read(gpu=False)
+    assert "CUDA events" not in cpu and "wall time on the host" in cpu
+    env = {"started_utc": "2026-11-25T08:00:00+00:00", "cpu": "x"}
+    doc = records.document([record(device="cpu")], env, {}, {"runs": [{"source": "a", "environment": env},
+                                                                      {"source": "b", "environment": env}]})
+    text = report.markdown(doc)
+    assert "from a run started" not in text and "run 0 (started 2026-11-25T08:00:00+00:00" in text
+    assert "CUDA events" not in text
