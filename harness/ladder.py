@@ -31,6 +31,11 @@ from harness.rundir import RunDir, RunLocked
 from tiers import identity
 
 
+# Free disk a run directory needs before its first cell: the weights (98 MB for ResNet-50, twice for training), inputs,
+# references and each rung's caches (on the H100, AOTInductor's packages alone were 544 MB).
+NEEDS_BYTES = {"cuda": 2 << 30, "cpu": 512 << 20}
+
+
 class Refusal(Exception):
     """The one line that says why the ladder will not start; the command line prints it and exits with `status`
     (2: bad input or a directory in use; 1: the machine failed a step before any cell)."""
@@ -54,8 +59,9 @@ def run(config: LadderConfig) -> int:
         check_output_paths(config)
         run_dir = RunDir(config.out, config.model, device)
         run_dir.lock()
+        run_dir.check_writable(NEEDS_BYTES[device])
         cells = fitting(config.model, cells, device, drop=config.command == "sweep")
-    except (Refused, RunLocked) as e:
+    except (Refused, RunLocked, OSError) as e:
         raise Refusal(f"ladder: {e}") from None
     meta = run_metadata(run_dir, config, device, console)
     run_dir.write_weights(config.task)
@@ -70,13 +76,21 @@ def run(config: LadderConfig) -> int:
                   peak_tflops=meta.get("peak_tflops"),
                   tunings=None if config.retune else device_slug(meta["environment"]),
                   isolation_check=config.isolation_check)
-    interrupted, builds = measure(ctx, todo, records, config, console)
+    try:
+        interrupted, builds = measure(ctx, todo, records, config, console)
+    except OSError as e:  # a disk that filled up mid-run: what is recorded stays, the reason is one line
+        raise Refusal(f"ladder: writing failed: {e}; {len(records)} cells recorded in {run_dir.results}",
+                      status=1) from None
     if interrupted:
         console.print(f"interrupted: {sum(r['status'] != 'interrupted' for r in records.values())} of {len(cells)} "
                       f"cells recorded in {run_dir.path}; the same command goes on from there", markup=False,
                       style="yellow")
     ordered_records = [records[identity(c)] for c in cells if identity(c) in records]
-    write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
+    try:
+        write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
+    except OSError as e:  # each report is written whole or not at all (core/files.py): the old one stays valid
+        raise Refusal(f"ladder: writing the reports failed: {e}; every cell is in {run_dir.results}, and "
+                      f"`python -m harness report {run_dir.results}` renders them", status=1) from None
     return 130 if interrupted else 0
 
 

@@ -6,6 +6,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -71,6 +72,19 @@ class RunDir:
         self._lock.truncate()
         self._lock.write(str(os.getpid()))
         self._lock.flush()
+
+    def check_writable(self, need_bytes: int) -> None:
+        """Before anything is measured: results.jsonl can be appended to, and the disk has `need_bytes` free.
+        Raises OSError with the one line to show."""
+        try:
+            with open(self.results, "a"):
+                pass
+        except OSError as e:
+            raise OSError(f"{self.results}: cannot append to it ({e.strerror})") from None
+        free = shutil.disk_usage(self.path).free
+        if free < need_bytes:
+            raise OSError(f"{self.path}: {free / 2**20:.0f} MiB free on its disk; a run here needs about "
+                          f"{need_bytes / 2**20:.0f} MiB (weights, references, caches)")
 
     def weights_for(self, task: str) -> Path:
         """The weights a cell starts from: the run's, or for training the run's with residual branches

@@ -113,3 +113,13 @@ def test_report_on_bad_files_gets_one_line(capsys, tmp_path, content, message):
     assert len(err.strip().splitlines()) == 1, err
     status, _, err = harness(capsys, "report", str(tmp_path))
     assert (status, err.strip()) == (2, f"report: {tmp_path}: is a directory; give its results.jsonl or ladder.json")
+
+
+def test_an_unwritable_results_file_is_one_line_before_any_measuring(capsys, tmp_path):
+    out = tmp_path / "run"
+    (out / "results.jsonl").mkdir(parents=True)  # not a file (chmod would not stop root)
+    status, _, err = harness(capsys, "ladder", "--device", "cpu", "--tiers", "eager", "--batch", "1", "--res", "32",
+                             "--out", str(out))
+    assert status == 2 and err.strip().splitlines() == [
+        f"ladder: {out / 'results.jsonl'}: cannot append to it (Is a directory)"], err
+    assert not (out / "cells").exists() and not (out / "run.json").exists()  # nothing measured, nothing written
