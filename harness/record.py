@@ -82,7 +82,7 @@ DEFINITIONS = {
                    "of board energy",
     "task": "'infer': each timed call is one forward; 'train': one training step (forward with BatchNorm in "
             "training mode, cross-entropy against fixed labels, backward, SGD with momentum 0.9 and weight decay "
-            "1e-4; bf16/fp16 = autocast over fp32 master weights, fp16 with a gradient scaler; harness/train.py). "
+            "1e-4; bf16/fp16 = autocast over fp32 master weights, fp16 with a gradient scaler; core/train.py). "
             "A training cell's latency, img/s, host time and memory are per step, its parity compares the loss "
             "of 3 steps, the updated weights and the running statistics with eager fp32's, and its first result "
             "is the first step",

@@ -1,7 +1,7 @@
 """Small child jobs the runner needs besides the cells (each in its own process, like the cells):
 
 - `ref`:  the eager fp32 reference (TF32 off) that every rung is compared against: the output of one forward, or
-          for `train` the loss of each parity step and the state after them (harness/train.py);
+          for `train` the loss of each parity step and the state after them (core/train.py);
 - `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak'."""
 from __future__ import annotations
 

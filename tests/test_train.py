@@ -40,7 +40,7 @@ def test_the_same_step_passes_parity(reference):
 
 
 def buggy_step(net, bug):
-    """The step of harness/train.py with one classic bug."""
+    """The step of core/train.py with one classic bug."""
     opt = torch.optim.SGD(net.parameters(), lr=train.LEARNING_RATE, momentum=train.MOMENTUM,
                           weight_decay=train.WEIGHT_DECAY)
     y = train.labels(8, 1000, "cpu")

@@ -5,7 +5,7 @@ graphs and graph breaks (Dynamo's counters), guards of the cache entry that serv
 evaluate the cache entries' guards for one call (what Dynamo does before every call, timed directly on its guard
 managers, 1000 evaluations), and, in the hot start (batch + 1), the recompiles that the new shape triggers.
 Its caches (Inductor's FX graph and AOTAutograd caches, Triton's kernels) live in the run's cache directory.
-In training the whole step of harness/train.py is compiled: forward, loss, backward (Dynamo hands it to AOTAutograd
+In training the whole step of core/train.py is compiled: forward, loss, backward (Dynamo hands it to AOTAutograd
 at a graph break) and the optimizer's update."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Compile(PythonTier):
         return built
 
     def after(self, built, example, cell):
-        from torch._dynamo.utils import counters  # Dynamo: 1.6 s to import, only in a process that compiles
+        from torch._dynamo.utils import counters  # Dynamo: 1.2 s to import, only in a process that compiles
 
         facts = {
             "graphs": counters["stats"]["unique_graphs"],

@@ -1,5 +1,5 @@
 """Rung `torchscript`: the model traced, frozen and optimize_for_inference'd, called from Python. In training, the
-model traced in train mode (not frozen: its weights train), stepped through autograd by harness/train.py.
+model traced in train mode (not frozen: its weights train), stepped through autograd by core/train.py.
 TorchScript is deprecated (FutureWarning from torch 2.10); the rung stays and reports that status."""
 import time
 import warnings
