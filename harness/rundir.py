@@ -76,11 +76,16 @@ class RunDir:
     def check_writable(self, need_bytes: int) -> None:
         """Before anything is measured: results.jsonl can be appended to, and the disk has `need_bytes` free.
         Raises OSError with the one line to show."""
+        # a refused run leaves no results file behind: where there is none yet, a probe file stands in for it
+        target = self.results if self.results.exists() else self.path / f".write-check.{os.getpid()}"
         try:
-            with open(self.results, "a"):
+            with open(target, "a"):
                 pass
         except OSError as e:
             raise OSError(f"{self.results}: cannot append to it ({e.strerror})") from None
+        finally:
+            if target != self.results:
+                target.unlink(missing_ok=True)
         free = shutil.disk_usage(self.path).free
         if free < need_bytes:
             raise OSError(f"{self.path}: {free / 2**20:.0f} MiB free on its disk; a run here needs about "
