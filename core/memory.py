@@ -29,13 +29,19 @@ def activation_bytes_per_image(model_name: str, res: int) -> int:
     return 3 * largest[0] * 4
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), else None."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """The value of `key` in a /proc file of `Key:   N kB` lines (meminfo, status), in bytes; None without /proc
+    (absent, not approximate)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    return proc_bytes("/proc/meminfo", "MemAvailable")

@@ -30,7 +30,6 @@ from harness.record import document
 from harness.rundir import RunDir, RunLocked
 from tiers import identity
 
-
 # Free disk a run directory needs before its first cell: the weights (98 MB for ResNet-50, twice for training), inputs,
 # references and each rung's caches (on the H100, AOTInductor's packages alone were 544 MB).
 NEEDS_BYTES = {"cuda": 2 << 30, "cpu": 512 << 20}

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from core import train
 from core.cell import Built, Cell, Store
 from core.files import write_text_atomic
+from core.memory import proc_bytes
 from core.model import load_model, read_tensor
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.stats import median, median_ci_rel
@@ -310,14 +311,7 @@ def peak_rss_bytes() -> int | None:
     """This process's own peak resident memory: VmHWM of /proc/self/status, which exec resets. Not getrusage's
     ru_maxrss, which carries the ladder parent's peak across fork and exec. None where there is no /proc (absent,
     not approximate). cpp/common/ladder/protocol.h peak_rss_bytes does the same."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/self/status", "VmHWM")
 
 
 def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
