@@ -26,6 +26,7 @@ from core.placement import memory_format, set_math_mode
 from core.train import learning_rate
 from harness.plan import command_line
 from harness.plots import accuracy_curves
+from harness.refusal import Refusal
 from harness.report import markdown_table
 from tiers import all_tiers
 from tiers.base import PythonTier
@@ -134,10 +135,6 @@ class AccuracyConfig:
     seed: int = 0
     out: Path | None = None
     argv: list[str] = field(default_factory=list)  # the command line that made it (recorded with the results)
-
-
-class Refusal(Exception):
-    """Why the run will not start, in one line."""
 
 
 def run(config: AccuracyConfig) -> None:

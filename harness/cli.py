@@ -15,6 +15,7 @@ from core.model import CLASSIFIERS
 from harness import accuracy, compare, ladder, listing, micro, report
 from harness.contract import Protocol
 from harness.plan import LadderConfig
+from harness.refusal import Refusal
 from tiers import all_tiers
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -220,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
     try:
         return COMMANDS[args.command](args)
-    except (ladder.Refusal, accuracy.Refusal, micro.Refusal) as e:
-        return refuse(str(e), getattr(e, "status", 2))
+    except Refusal as e:
+        return refuse(f"{args.command}: {e}", e.status)
     except report.BadInput as e:
         return refuse(f"{args.command}: {e}")
 

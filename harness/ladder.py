@@ -24,9 +24,10 @@ from harness import report
 from harness.context import Context
 from harness.host_noise import host_cpu_probe
 from harness.measure import measure_cells, ordered
-from harness.plan import LadderConfig, Refused, check_output_paths, command_line, fitting, plan, run_identity
+from harness.plan import LadderConfig, check_output_paths, command_line, fitting, plan, run_identity
 from harness.prepare import prepare
 from harness.record import document
+from harness.refusal import Refusal
 from harness.rundir import RunDir, RunLocked
 from tiers import identity
 
@@ -35,22 +36,13 @@ from tiers import identity
 NEEDS_BYTES = {"cuda": 2 << 30, "cpu": 512 << 20}
 
 
-class Refusal(Exception):
-    """The one line that says why the ladder will not start; the command line prints it and exits with `status`
-    (2: bad input or a directory in use; 1: the machine failed a step before any cell)."""
-
-    def __init__(self, message: str, status: int = 2) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def run(config: LadderConfig) -> int:
     """The ladder; 0 when it ran to the end, 130 when interrupted (every finished cell kept). Raises Refusal."""
     t_start = time.perf_counter()
     console = Console()
     device = config.device or default_device()
     if device == "cuda" and default_device() != "cuda":
-        raise Refusal("ladder: --device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
+        raise Refusal("--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
     suffix = ("-sweep" if config.command == "sweep" else "") + ("-train" if config.task == "train" else "")
     config.out = (config.out or Path("runs") / f"{config.model}-{device}{suffix}").resolve()
     cells = plan(config, device)
@@ -60,8 +52,8 @@ def run(config: LadderConfig) -> int:
         run_dir.lock()
         run_dir.check_writable(NEEDS_BYTES[device])
         cells = fitting(config.model, cells, device, drop=config.command == "sweep")
-    except (Refused, RunLocked, OSError) as e:
-        raise Refusal(f"ladder: {e}") from None
+    except (RunLocked, OSError) as e:
+        raise Refusal(str(e)) from None
     meta = run_metadata(run_dir, config, device, console)
     run_dir.write_weights(config.task)
 
@@ -78,7 +70,7 @@ def run(config: LadderConfig) -> int:
     try:
         interrupted, builds = measure(ctx, todo, records, config, console)
     except OSError as e:  # a disk that filled up mid-run: what is recorded stays, the reason is one line
-        raise Refusal(f"ladder: writing failed: {e}; {len(records)} cells recorded in {run_dir.results}",
+        raise Refusal(f"writing failed: {e}; {len(records)} cells recorded in {run_dir.results}",
                       status=1) from None
     if interrupted:
         console.print(f"interrupted: {sum(r['status'] != 'interrupted' for r in records.values())} of {len(cells)} "
@@ -88,7 +80,7 @@ def run(config: LadderConfig) -> int:
     try:
         write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
     except OSError as e:  # each report is written whole or not at all (core/files.py): the old one stays valid
-        raise Refusal(f"ladder: writing the reports failed: {e}; every cell is in {run_dir.results}, and "
+        raise Refusal(f"writing the reports failed: {e}; every cell is in {run_dir.results}, and "
                       f"`python -m harness report {run_dir.results}` renders them", status=1) from None
     return 130 if interrupted else 0
 
@@ -106,7 +98,7 @@ def run_metadata(run_dir: RunDir, config: LadderConfig, device: str, console: Co
         before, now = run_identity(old), run_identity(meta)
         differ = [k for k in now if before.get(k) != now[k]]
         if differ:
-            raise Refusal(f"ladder: {run_dir.path} holds a run with another {', '.join(differ)}; its cells would be "
+            raise Refusal(f"{run_dir.path} holds a run with another {', '.join(differ)}; its cells would be "
                           "mislabelled: give another --out")
         return old
     if device == "cuda":
@@ -122,7 +114,7 @@ def matmul_peak(run_dir: RunDir) -> dict[str, float]:
     proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
                      env=procs.child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise Refusal(f"ladder: measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}", status=1)
+        raise Refusal(f"measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}", status=1)
     return json.loads(peak_file.read_text())["tflops"]
 
 

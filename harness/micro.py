@@ -10,22 +10,19 @@ from rich.table import Table
 
 from core.env import default_device, environment
 from core.files import write_text_atomic
+from harness.refusal import Refusal
 from harness.report import columns, markdown_table
 from tiers import get_tier
-
-
-class Refusal(Exception):
-    """Why the microbenchmark cannot run here, in one line."""
 
 
 def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, json_path: Path | None,
         md_path: Path | None) -> None:
     tier = get_tier(tier_name)
     if default_device() != "cuda":
-        raise Refusal(f"micro: {tier_name}'s microbenchmark times GPU kernels; no NVIDIA GPU here (NVML found none)")
+        raise Refusal(f"{tier_name}'s microbenchmark times GPU kernels; no NVIDIA GPU here (NVML found none)")
     reason = tier.availability("cuda")
     if reason:
-        raise Refusal(f"micro: {tier_name} cannot run on this GPU: {reason}")
+        raise Refusal(f"{tier_name} cannot run on this GPU: {reason}")
     rows = tier.micro(batch, res, dtype, channels_last)
     # The terminal shows each layer's name and its timings; --json and --markdown keep every column.
     cols = columns(rows)

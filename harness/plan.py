@@ -12,6 +12,7 @@ from core.cell import Cell
 from core.env import gpu_handle
 from core.memory import activation_bytes_per_image, host_available_bytes
 from harness.contract import Protocol
+from harness.refusal import Refusal
 from tiers import all_tiers
 
 
@@ -80,34 +81,30 @@ def plan(args: LadderConfig, device: str) -> list[Cell]:
     return cells
 
 
-class Refused(Exception):
-    """A one-line reason the ladder will not start (bad path, locked directory, a configuration that cannot fit)."""
-
-
 def check_output_paths(args: LadderConfig) -> None:
     """--out must be (or become) a writable directory; --json/--markdown/--csv writable files, not directories."""
     out = args.out
     if out.exists() and not out.is_dir():
-        raise Refused(f"--out {out}: exists and is not a directory")
+        raise Refusal(f"--out {out}: exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise Refused(f"--out {out}: cannot create it ({e.strerror})") from None
+        raise Refusal(f"--out {out}: cannot create it ({e.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
-        raise Refused(f"--out {out}: not writable")
+        raise Refusal(f"--out {out}: not writable")
     for flag in ("json", "markdown", "csv"):
         path = getattr(args, flag)
         if path is None:
             continue
         if path.is_dir():
-            raise Refused(f"--{flag} {path}: is a directory; give a file name")
+            raise Refusal(f"--{flag} {path}: is a directory; give a file name")
         parent = path.parent if str(path.parent) else Path(".")
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise Refused(f"--{flag} {path}: cannot create {parent} ({e.strerror})") from None
+            raise Refusal(f"--{flag} {path}: cannot create {parent} ({e.strerror})") from None
         if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise Refused(f"--{flag} {path}: not writable")
+            raise Refusal(f"--{flag} {path}: not writable")
 
 
 def memory_limits(model: str, res: int, device: str) -> list[tuple[str, int, int]]:
@@ -140,7 +137,7 @@ def fitting(model: str, cells: list[Cell], device: str, drop: bool) -> list[Cell
             message = (f"batch {c.batch} at res {res} needs about {c.batch * per / 2**30:.1f} GiB of {where} "
                        f"({capacity / 2**30:.1f} GiB here); the largest batch that fits is about {fits}")
             if not drop:
-                raise Refused(message)
+                raise Refusal(message)
             print(f"sweep: left out: {message}", file=sys.stderr)
     return kept
 
