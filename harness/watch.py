@@ -39,6 +39,18 @@ class Job:
     extra: dict[str, str]   # cache-dir, tunings, hot-start
 
 
+@dataclass
+class Ended:
+    """How the child ended, as the records of its cells need it."""
+
+    returncode: int | None
+    baseline: int | None  # device memory in use before it started (NVML), for the sampler's summary
+    stderr_tail: str
+    timed_out: bool
+    interrupted: bool
+    oom_killed: bool  # the kernel's OOM killer's count grew while it ran
+
+
 class ChildRun:
     """Runs `cells` (of one rung) in one child process; `run()` records each cell it ended through `on_record`
     and returns how many (after a crash or timeout, the caller starts a new process for the rest)."""
@@ -71,8 +83,7 @@ class ChildRun:
             return 1
         jobs = jobs[:len(self.cells)]
         cache_kept = bool(self.tier.caches) and dir_bytes(self.store.cache) > 0  # a warm start needs something there
-        outcome = self.launch(self.argv(program, jobs))
-        return self.records(jobs, cache_kept, *outcome)
+        return self.records(jobs, cache_kept, self.launch(self.argv(program, jobs)))
 
     def jobs(self) -> list[Job]:
         run = self.ctx.run
@@ -121,9 +132,8 @@ class ChildRun:
                                       ensure_ascii=False))
         return program + ["--cells", str(listing)]
 
-    def launch(self, argv: list[str]) -> tuple[subprocess.Popen, Sampler, int | None, str, bool, bool, bool]:
-        """Starts the child and waits for it: (process, sampler, NVML baseline, stderr tail, timed out,
-        interrupted, killed by the OOM killer)."""
+    def launch(self, argv: list[str]) -> Ended:
+        """Starts the child, with NVML sampled beside it, and waits for it."""
         stderr_path = cell_dir(self.ctx.run, self.cells[0]) / "stderr.txt"
         oom_before = cgroup_oom_kills()
         with open(stderr_path, "w") as err:
@@ -142,7 +152,7 @@ class ChildRun:
         tail = "\n".join(stderr_path.read_text(errors="replace").splitlines()[-30:])
         oom_after = cgroup_oom_kills()
         oom_killed = oom_before is not None and oom_after is not None and oom_after > oom_before
-        return proc, sampler, baseline, tail, timed_out, interrupted, oom_killed
+        return Ended(proc.returncode, baseline, tail, timed_out, interrupted, oom_killed)
 
     def wait(self, proc: subprocess.Popen) -> tuple[bool, bool]:
         """Until the child exits, its cell runs past the timeout, or Ctrl-C / SIGTERM: (timed out, interrupted).
@@ -200,12 +210,11 @@ class ChildRun:
         record["contention"] = self.contention.get(i)
         return record
 
-    def records(self, jobs: list[Job], cache_kept: bool, proc: subprocess.Popen, sampler: Sampler,
-                baseline: int | None, stderr_tail: str, timed_out: bool, interrupted: bool, oom_killed: bool) -> int:
+    def records(self, jobs: list[Job], cache_kept: bool, ended: Ended) -> int:
         """The record of each cell the child ended, in order; stops at the first it did not reach."""
-        ended = 0
+        recorded = 0
         for i, job in enumerate(jobs):
-            record = self.observed(i, self.cells[i], baseline)
+            record = self.observed(i, self.cells[i], ended.baseline)
             wall_s = record.pop("wall_s")
             if job.files["result"].exists():
                 raw = json.loads(job.files["result"].read_text())
@@ -213,28 +222,28 @@ class ChildRun:
                 record["cache_bytes"] = dir_bytes(self.store.cache) if self.tier.caches else None
                 record["prepared"] = self.ctx.prepared.get(job.cell.key, {}).get("facts")
                 self.on_record(finish_record(self.ctx, record, self.cells[i], raw, wall_s))
-                ended += 1
+                recorded += 1
                 continue
             if i in self.errors:
                 status, reason = failure_status(0, self.errors[i], "")
                 self.on_record({**record, "status": status, "reason": reason})
-                ended += 1
+                recorded += 1
                 if len(jobs) > 1:
                     continue  # the child reported it and went on with the next cell
-                return ended
-            if i != self.index and not interrupted:
-                return ended  # not reached: the caller starts a new process for the rest
-            phase = sampler.phase
-            if interrupted:
+                return recorded
+            if i != self.index and not ended.interrupted:
+                return recorded  # not reached: the caller starts a new process for the rest
+            phase = self.sampler.phase
+            if ended.interrupted:
                 self.on_record({**record, "status": "interrupted",
                                 "reason": f"ladder interrupted (last phase: {phase})"})
                 raise KeyboardInterrupt
-            if timed_out:
-                self.on_record({**record, "status": "timeout", "reason": f"no result after "
-                                f"{self.ctx.protocol.timeout_s:g} s (last phase: {phase})", "stderr_tail": stderr_tail})
+            if ended.timed_out:
+                self.on_record({**record, "status": "timeout", "stderr_tail": ended.stderr_tail,
+                                "reason": f"no result after {self.ctx.protocol.timeout_s:g} s (last phase: {phase})"})
             else:
-                status, reason = failure_status(proc.returncode, None, stderr_tail, oom_killed)
+                status, reason = failure_status(ended.returncode, None, ended.stderr_tail, ended.oom_killed)
                 self.on_record({**record, "status": status, "reason": reason, "last_phase": phase,
-                                "stderr_tail": stderr_tail})
-            return ended + 1
-        return ended
+                                "stderr_tail": ended.stderr_tail})
+            return recorded + 1
+        return recorded
