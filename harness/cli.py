@@ -202,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
     mic.add_argument("--res", type=_positive_int, default=224)
     mic.add_argument("--dtype", choices=DTYPES, default="bf16")
     mic.add_argument("--layout", choices=("nchw", "nhwc"), default="nhwc")
+    mic.add_argument("--task", choices=TASKS, default="infer",
+                     help="infer: the forward's layers; train: every step of the training schedule, per pass")
     mic.add_argument("--json", type=Path)
     mic.add_argument("--markdown", type=Path)
 
@@ -252,7 +254,8 @@ COMMANDS = {
     "ladder": lambda a: ladder.run(ladder_config(a)),
     "sweep": lambda a: ladder.run(ladder_config(a)),
     "tiers": lambda a: listing.show(),
-    "micro": lambda a: micro.run(a.tier, a.batch, a.res, a.dtype, a.layout == "nhwc", a.json, a.markdown) or 0,
+    "micro": lambda a: micro.run(a.tier, a.batch, a.res, a.dtype, a.layout == "nhwc", a.task, a.json,
+                                  a.markdown) or 0,
     "report": lambda a: report.rerender(a.inputs, a.json, a.markdown, a.csv, a.wide) or 0,
     "compare": lambda a: compare.run(a.a, a.b, a.threshold, a.markdown),
     "train-to-accuracy": lambda a: accuracy.run(accuracy_config(a)) or 0,

@@ -15,19 +15,23 @@ from harness.report import columns, markdown_table
 from tiers import get_tier
 
 
-def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, json_path: Path | None,
+def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, task: str, json_path: Path | None,
         md_path: Path | None) -> None:
     tier = get_tier(tier_name)
+    if task == "train" and tier.cannot_train:
+        raise Refusal(f"{tier_name} does not train: {tier.cannot_train}")
     if default_device() != "cuda":
         raise Refusal(f"{tier_name}'s microbenchmark times GPU kernels; no NVIDIA GPU here (NVML found none)")
     reason = tier.availability("cuda")
     if reason:
         raise Refusal(f"{tier_name} cannot run on this GPU: {reason}")
-    rows = tier.micro(batch, res, dtype, channels_last)
-    # The terminal shows each layer's name and its timings; --json and --markdown keep every column.
+    rows = tier.micro(batch, res, dtype, channels_last, task)
+    # The terminal shows each layer's name (and pass), its engine and its timings; --json and --markdown keep every
+    # column.
     cols = columns(rows)
-    shown = cols[:1] + [c for c in cols if c.endswith(("_ms", "tflops"))]
-    table = Table(title=f"{tier_name}: per-layer microbenchmark, batch {batch}, res {res}, {dtype}",
+    shown = cols[:1] + [c for c in cols if c in ("pass", "engine", "fused") or c.endswith(("_ms", "tflops"))]
+    what = "per-layer" if task == "infer" else "training step, per layer and pass,"
+    table = Table(title=f"{tier_name}: {what} microbenchmark, batch {batch}, res {res}, {dtype}",
                   caption="every column: --json, --markdown")
     for c in shown:
         table.add_column(c, overflow="fold")
@@ -35,8 +39,8 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, j
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown])
     Console().print(table)
     if json_path:
-        write_text_atomic(json_path, json.dumps({"environment": environment("cuda"), "tier": tier_name, "batch": batch,
-                                         "res": res, "dtype": dtype, "rows": rows}, indent=1))
+        write_text_atomic(json_path, json.dumps({"environment": environment("cuda"), "tier": tier_name, "task": task,
+                                                 "batch": batch, "res": res, "dtype": dtype, "rows": rows}, indent=1))
     if md_path:
-        write_text_atomic(md_path, f"# {tier_name} microbenchmark (batch {batch}, res {res}, {dtype})\n\n"
+        write_text_atomic(md_path, f"# {tier_name} {task} microbenchmark (batch {batch}, res {res}, {dtype})\n\n"
                            + "\n".join(markdown_table(rows)) + "\n")

@@ -24,6 +24,7 @@ class Tier:
     models: tuple[str, ...] | None = None  # None: any torchvision classification model
     dtypes: tuple[str, ...] = DTYPES
     cuda_graph: bool = False  # whether the rung can run captured in a CUDA graph (--cuda-graph)
+    cuda_graph_train: bool = False  # whether it can capture a whole training step too
     # Rung-specific options (`--option TIER:KEY=VALUE`): key -> its valid values (default first), or None for a
     # positive integer.
     options: dict[str, tuple[str, ...] | None] = {}
@@ -58,8 +59,8 @@ class Tier:
             return "CUDA graphs need the GPU"
         if cell.task == "train" and self.cannot_train:
             return f"{self.name} does not train: {self.cannot_train}"
-        if cell.task == "train" and cell.cuda_graph:
-            return "training steps are not captured in CUDA graphs here"
+        if cell.task == "train" and cell.cuda_graph and not self.cuda_graph_train:
+            return f"{self.name} does not capture its training step in a CUDA graph"
         return None
 
     def option_default(self, key: str) -> str | None:
@@ -67,9 +68,9 @@ class Tier:
         choices = self.options.get(key)
         return choices[0] if choices else None
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool) -> list[dict[str, Any]]:
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict[str, Any]]:
         """Per-layer microbenchmark on the GPU: one row per layer or distinct convolution (has_micro says whether
-        the rung has one)."""
+        the rung has one); with task 'train', one row per step of the training schedule (a rung that trains)."""
         raise NotImplementedError(f"{self.name} has no microbenchmark")
 
 

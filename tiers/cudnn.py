@@ -2,6 +2,10 @@
 cuDNN pooling, a cuBLASLt classifier and a little CUDA of our own (cpp/cudnn). It is built on demand against the
 cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc.
 
+It trains too (`--task train`, cpp/cudnn/src/train_net.h): the three passes of every convolution by cuDNN, BatchNorm
+in training mode, the loss and SGD by our kernels, the classifier's gradients by cuBLASLt; NHWC, bf16 (fp32 master
+weights, as autocast) or fp32/tf32; the whole step one CUDA graph under --cuda-graph.
+
 The binary also takes `--option autotune=K` (engine configurations timed per distinct convolution, default 8) and
 `--option workspace-mb=M` (the most workspace one candidate may use, default 512)."""
 from __future__ import annotations
@@ -18,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from core import train
 from core.cbuild import build_dir, cmake_build, sources_missing
 from core.cell import Cell, Unavailable
-from core.model import build_model, make_input, write_input, write_weights
+from core.model import build_model, make_input, write_input, write_weights, zero_init_residual
 from tiers.base import ExternalTier
 
 TOOLKIT = Path("/usr/local/cuda")
@@ -120,11 +125,20 @@ class CudnnTier(ExternalTier):
     options = {"autotune": None, "workspace-mb": None}
     caches = ("engines",)  # engine choices per convolution (engines.tsv in the run's cache; one shipped per GPU)
     name = "cudnn"
-    cannot_train = 'the hand-written cuDNN network has a forward pass only (no backward yet)'
+    cannot_train = None
+    cuda_graph_train = True
     summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
     models = ("resnet50",)
     cuda_graph = True
     has_micro = True
+
+    def supports(self, cell: Cell) -> str | None:
+        reason = super().supports(cell)
+        if reason is None and cell.task == "train" and not cell.channels_last:
+            return "the cudnn rung trains channels-last only (its BatchNorm kernels are NHWC)"
+        if reason is None and cell.task == "train" and cell.dtype == "fp16":
+            return "fp16 training needs a gradient scaler, which the cudnn rung lacks (bf16 trains)"
+        return reason
 
     def availability(self, device: str) -> str | None:
         if device != "cuda":
@@ -162,16 +176,20 @@ class CudnnTier(ExternalTier):
     def command(self, cell: Cell) -> list[str]:
         return [str(self.binary())]
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
-        """Each distinct convolution of ResNet-50 (shape and fused epilogue) timed alone with the engine the rung
-        chose: shape, engine, median ms over MICRO_REPS, TFLOP/s, and how many layers share it."""
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
+        """infer: each distinct convolution of ResNet-50 (shape and fused epilogue) timed alone with the engine the
+        rung chose: shape, engine, median ms over MICRO_REPS, TFLOP/s, and how many layers share it. train: each step
+        of the training schedule alone (every convolution's forward, dgrad and wgrad; BatchNorm forward and
+        backward; pooling, classifier, loss, SGD), with its engine and whether it is fused."""
         with tempfile.TemporaryDirectory() as tmp:
             weights, inputs = Path(tmp) / "weights.safetensors", Path(tmp) / "input.safetensors"
-            write_weights(build_model("resnet50"), weights)
+            model = build_model("resnet50")
+            write_weights(zero_init_residual(model) if task == "train" else model, weights)
             write_input(make_input(batch, res), inputs)
             proc = subprocess.run([str(self.binary()), "--micro", "1", "--weights", str(weights), "--input",
                                    str(inputs), "--batch", str(batch), "--res", str(res), "--dtype", dtype,
                                    "--channels-last", "1" if channels_last else "0", "--device", "cuda",
+                                   "--task", task, "--lr", repr(train.LEARNING_RATE),
                                    "--option", f"micro-reps={MICRO_REPS}"], capture_output=True, text=True)
         for line in proc.stdout.splitlines():
             if line.startswith("@@micro "):

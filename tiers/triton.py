@@ -86,7 +86,7 @@ class TritonTier(PythonTier):
         }
         return Built(forward=net, stats=stats)
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool) -> list[dict]:
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
         """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,
         autotuned) vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor
         (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""

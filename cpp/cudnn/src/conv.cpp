@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "kernels.h"
 
@@ -50,7 +52,48 @@ Desc pointwise(cudnnPointwiseMode_t mode, const Desc& x, const Desc* b, const De
 }
 
 bool residual(Epilogue e) { return e == Epilogue::BiasAddRelu; }
-bool relu(Epilogue e) { return e != Epilogue::Bias; }
+bool relu(Epilogue e) { return e == Epilogue::BiasRelu || e == Epilogue::BiasAddRelu; }
+
+// The convolution node of a pass over the forward's tensors x, w and y (the pass writes dx, dw or y).
+Desc conv_operation(Pass pass, const Desc& conv, const Desc& x, const Desc& w, const Desc& y) {
+  const float alpha = 1.f, beta = 0.f;
+  switch (pass) {
+    case Pass::Fprop: {
+      Desc op(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
+      op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y)
+          .finalize();
+      return op;
+    }
+    case Pass::Dgrad: {
+      Desc op(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR);
+      op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, conv)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y)
+          .finalize();
+      return op;
+    }
+    case Pass::Wgrad: {
+      Desc op(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
+      op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, conv)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y)
+          .finalize();
+      return op;
+    }
+  }
+  throw std::runtime_error("unknown convolution pass");
+}
 
 // The operation graph of the spec, with the epilogue (fused) or without it. Returns every descriptor it made; the
 // operation graph is the last. Tensors are allocated by index up front so that references stay valid.
@@ -99,16 +142,7 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
 
   std::vector<Desc> ops;
   ops.reserve(8);
-  float alpha = 1.f, beta = 0.f;
-  Desc conv_op(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
-  conv_op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
-      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
-      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv)
-      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
-      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
-      .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, steps.empty() ? y : find(kVirtual))
-      .finalize();
-  ops.push_back(std::move(conv_op));
+  ops.push_back(conv_operation(spec.pass, conv, x, w, steps.empty() ? y : find(kVirtual)));
   for (size_t i = 0; i < steps.size(); ++i) {
     const Desc& in = find(kVirtual + int64_t(i));
     const Desc& out = i + 1 == steps.size() ? y : find(kVirtual + int64_t(i) + 1);
@@ -192,6 +226,7 @@ bool allowed(const EngineInfo& e, const Precision& p) {
 
 // The epilogue by our kernel, in place on y, for a convolution run alone.
 void epilogue_kernel(const ConvSpec& spec, const ConvIO& io, cudaStream_t stream) {
+  if (spec.epilogue == Epilogue::None) return;
   const ConvShape& s = spec.shape;
   size_t plane = size_t(s.p()) * s.q();
   bias_add_relu(io.y, io.bias, residual(spec.epilogue) ? io.z : nullptr, relu(spec.epilogue),
@@ -286,6 +321,33 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
   return best;
 }
 
+// Engine tables: one choice per line, "key<TAB>fused<TAB>heuristic mode<TAB>position"; later files win.
+std::map<std::string, EngineChoice> read_engine_tables(const std::vector<std::string>& paths) {
+  std::map<std::string, EngineChoice> table;
+  for (const std::string& path : paths) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string key;
+      EngineChoice c{};
+      int fused = 0;
+      if (std::getline(fields, key, '\t') && fields >> fused >> c.heur_mode >> c.heur_index) {
+        c.fused = fused != 0;
+        table[key] = c;
+      }
+    }
+  }
+  return table;
+}
+
+// One line per write, appended: a later process of the run reuses the choice.
+void append_engine_choice(const std::string& path, const std::string& key, const EngineChoice& c) {
+  if (path.empty()) return;
+  std::ofstream(path, std::ios::app) << key << '\t' << int(c.fused) << '\t' << c.heur_mode << '\t' << c.heur_index
+                                     << '\n' << std::flush;
+}
+
 }  // namespace
 
 std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
@@ -355,11 +417,26 @@ Desc& Desc::finalize() {
 
 const char* epilogue_name(Epilogue e) {
   switch (e) {
+    case Epilogue::None: return "none";
     case Epilogue::Bias: return "bias";
     case Epilogue::BiasRelu: return "bias+relu";
     case Epilogue::BiasAddRelu: return "bias+add+relu";
   }
   return "?";
+}
+
+const char* pass_name(Pass p) {
+  switch (p) {
+    case Pass::Fprop: return "fprop";
+    case Pass::Dgrad: return "dgrad";
+    case Pass::Wgrad: return "wgrad";
+  }
+  return "?";
+}
+
+std::string ConvSpec::key() const {
+  // Inference keys predate the passes: a forward's key names no pass, so shipped engine tables stay valid.
+  return shape.str() + " " + epilogue_name(epilogue) + (pass == Pass::Fprop ? "" : std::string(" ") + pass_name(pass));
 }
 
 std::string ConvShape::str() const {
@@ -389,18 +466,20 @@ std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, 
   // Both ways, timed: a fused engine can be slower than the best plain convolution plus our epilogue kernel
   // (strict fp32 has few fusing engines), and some graphs have no fusing engine at all.
   std::shared_ptr<ConvPlan> fused, alone;
-  std::string why;
-  try {
-    fused = tune_graph(handle, spec, true, io, ws, candidates, stream);
-  } catch (const std::exception& e) {
-    why = e.what();
+  std::string why = "no epilogue";
+  if (spec.epilogue != Epilogue::None) {
+    try {
+      fused = tune_graph(handle, spec, true, io, ws, candidates, stream);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
   }
   try {
     alone = tune_graph(handle, spec, false, io, ws, candidates, stream);
   } catch (const std::exception& e) {
     if (!fused)
-      throw std::runtime_error("no cuDNN engine runs conv " + spec.shape.str() + " in " + spec.precision->name +
-                               ": " + e.what());
+      throw std::runtime_error(std::string("no cuDNN engine runs ") + pass_name(spec.pass) + " of conv " +
+                               spec.shape.str() + " in " + spec.precision->name + ": " + e.what());
   }
   const double fused_ms = fused ? fused->tuned_ms : -1, alone_ms = alone ? alone->tuned_ms : -1;
   auto chosen = fused && (!alone || fused_ms <= alone_ms) ? fused : alone;
@@ -408,6 +487,35 @@ std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, 
   chosen->fused_ms = fused_ms;
   chosen->unfused_ms = alone_ms;
   return chosen;
+}
+
+ConvPlanner::ConvPlanner(cudnnHandle_t handle, EngineOptions o, cudaStream_t stream)
+    : handle_(handle), o_(std::move(o)), stream_(stream), scratch_(o_.workspace_limit),
+      prefix_("cudnn" + std::to_string(cudnnGetVersion()) + " " + o_.precision->name + (o_.nhwc ? " nhwc " : " nchw ")),
+      table_(read_engine_tables(o_.tables)) {}
+
+std::shared_ptr<ConvPlan> ConvPlanner::plan(const ConvSpec& spec, const ConvIO& io) {
+  const std::string key = spec.key();
+  auto& plan = tuned_[key];
+  auto known = table_.find(prefix_ + key);
+  if (!plan && known != table_.end()) {
+    plan = plan_from_choice(handle_, spec, io, scratch_, known->second);
+    from_table_ += bool(plan);
+  }
+  if (!plan) {
+    plan = tune_conv(handle_, spec, io, scratch_, o_.candidates, stream_);
+    append_engine_choice(o_.table_out, prefix_ + key, {plan->fused, plan->heur_mode, plan->heur_index});
+  }
+  workspace_ = std::max(workspace_, size_t(plan->workspace));
+  return plan;
+}
+
+void ConvPlanner::report(ladder::Json& stats) const {
+  stats["distinct_conv_plans"] = int(tuned_.size());
+  stats["conv_plans_from_engine_tables"] = from_table_;
+  ladder::Json tables = ladder::Json::array();
+  for (const std::string& t : o_.tables) tables.push_back(t);
+  stats["engine_tables"] = tables;
 }
 
 void ConvLayer::bind(void* workspace) {

@@ -2,7 +2,10 @@
 //   conv -> + bias [-> + residual] [-> relu],
 // with fp32 virtual intermediates, run by the engine configuration that measured fastest among cuDNN's heuristic
 // candidates; or the convolution alone followed by bias_add_relu(), where that measured faster or nothing fuses.
+// Training uses the same machinery for the convolution alone in each of its three passes (forward, data gradient,
+// weight gradient).
 #pragma once
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,8 +36,13 @@ class Desc {
   cudnnBackendDescriptor_t d_ = nullptr;
 };
 
-enum class Epilogue { Bias, BiasRelu, BiasAddRelu };  // projection skip, inner convs, block output
+// Inference: projection skip, inner convs, block output. Training: None (BatchNorm in training mode follows).
+enum class Epilogue { None, Bias, BiasRelu, BiasAddRelu };
 const char* epilogue_name(Epilogue e);
+
+// Which of the convolution's three computations the graph is: y = conv(x, w), dx = dgrad(dy, w), dw = wgrad(x, dy).
+enum class Pass { Fprop, Dgrad, Wgrad };
+const char* pass_name(Pass p);
 
 struct ConvShape {
   int n, c, h, w;           // input (c includes any zero padding of the stem's channels)
@@ -45,10 +53,12 @@ struct ConvShape {
   std::string str() const;  // e.g. "n32 c64 56x56 -> k256 1x1/s1 p0"
 };
 
+// The tensors of a pass, named as in the forward: Dgrad writes x (dx) from y (dy) and w; Wgrad writes w (dw) from
+// x and y (dy).
 struct ConvIO {
   const void* x;
-  const void* w;     // KRSC (NHWC) or KCRS (NCHW), BN folded in
-  const void* bias;  // [k], BN folded in
+  const void* w;     // KRSC (NHWC) or KCRS (NCHW); inference: BN folded in
+  const void* bias;  // [k], BN folded in; only with a bias epilogue
   const void* z;     // residual, same shape as y; only for Epilogue::BiasAddRelu
   void* y;
 };
@@ -74,6 +84,8 @@ struct ConvSpec {
   Epilogue epilogue;
   const Precision* precision;
   bool nhwc;
+  Pass pass = Pass::Fprop;
+  std::string key() const;  // what an engine choice depends on besides the GPU, dtype and layout
 };
 
 std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
@@ -88,6 +100,38 @@ struct EngineChoice {
 // The plan of a remembered choice, untimed; nullptr if it no longer finalizes, runs or fits (then: tune).
 std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
                                            TuningWorkspace& ws, const EngineChoice& choice);
+
+// How a network's engines are chosen.
+struct EngineOptions {
+  const Precision* precision;
+  bool nhwc;
+  int candidates;          // engine configurations timed per distinct convolution
+  size_t workspace_limit;  // the most workspace one candidate may ask for
+  std::vector<std::string> tables;  // engine choices to reuse (shipped for this GPU, the run's own), read in order
+  std::string table_out;            // where choices tuned here are appended ("" = nowhere)
+};
+
+// The plans of one network's convolutions: each distinct spec (ConvSpec::key) tuned once, or taken from an engine
+// table, and shared by every layer that repeats it.
+class ConvPlanner {
+ public:
+  ConvPlanner(cudnnHandle_t handle, EngineOptions o, cudaStream_t stream);
+  std::shared_ptr<ConvPlan> plan(const ConvSpec& spec, const ConvIO& io);
+  TuningWorkspace& scratch() { return scratch_; }
+  size_t workspace() const { return workspace_; }  // the most any chosen plan needs
+  void report(ladder::Json& stats) const;
+
+ private:
+  cudnnHandle_t handle_;
+  EngineOptions o_;
+  cudaStream_t stream_;
+  TuningWorkspace scratch_;
+  std::string prefix_;  // what a choice depends on besides the GPU model (the table's folder) and the spec
+  std::map<std::string, EngineChoice> table_;
+  std::map<std::string, std::shared_ptr<ConvPlan>> tuned_;
+  int from_table_ = 0;
+  size_t workspace_ = 0;
+};
 
 // One convolution of the network: a tuned plan bound to its buffers and the shared workspace.
 class ConvLayer {

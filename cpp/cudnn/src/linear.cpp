@@ -2,23 +2,27 @@
 
 namespace rung {
 
-Linear::Linear(const Precision& p, int batch, int in, int out, const void* w, const void* bias, const void* x,
-               void* y, TuningWorkspace& ws, cudaStream_t stream)
-    : w_(w), x_(x), y_(y) {
+Gemm::Gemm(const Precision& p, GemmShape shape, const void* a, const void* b, void* c, const void* bias,
+           TuningWorkspace& ws, cudaStream_t stream)
+    : shape_(shape), a_ptr_(a), b_ptr_(b), c_ptr_(c), bias_(bias != nullptr) {
   // fp32 accumulation always; TF32 only where the dtype allows it.
   compute_ = p.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   CUBLAS_CHECK(cublasLtCreate(&lt_));
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&op_, compute_, CUDA_R_32F));
-  // Column-major view: y^T[out, N] = (W as [in, out])^T * x^T[in, N].
-  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;  // bias per row of y^T, i.e. per class
+  cublasOperation_t ta = shape.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t tb = shape.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a_, p.cuda, in, out, in));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b_, p.cuda, in, batch, in));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, p.cuda, out, batch, out));
+  if (bias) {
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;  // bias per row of C
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+  }
+  // The stored matrices, before op(): A is k x m when transposed, else m x k; B is n x k when transposed, else k x n.
+  const GemmShape& s = shape;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a_, p.cuda, s.transpose_a ? s.k : s.m, s.transpose_a ? s.m : s.k, s.lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b_, p.cuda, s.transpose_b ? s.n : s.k, s.transpose_b ? s.k : s.n, s.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, p.cuda, s.m, s.n, s.ldc));
 
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -39,10 +43,12 @@ Linear::Linear(const Precision& p, int batch, int in, int out, const void* w, co
     algo_ = found[i].algo;
     workspace_ = found[i].workspaceSize;
   }
-  if (!tried_) throw std::runtime_error("cuBLASLt has no algorithm for the classifier in " + p.name);
+  if (!tried_)
+    throw std::runtime_error("cuBLASLt has no algorithm for a " + std::to_string(s.m) + "x" + std::to_string(s.n) +
+                             "x" + std::to_string(s.k) + " product in " + p.name);
 }
 
-Linear::~Linear() {
+Gemm::~Gemm() {
   if (c_) cublasLtMatrixLayoutDestroy(c_);
   if (b_) cublasLtMatrixLayoutDestroy(b_);
   if (a_) cublasLtMatrixLayoutDestroy(a_);
@@ -50,14 +56,15 @@ Linear::~Linear() {
   if (lt_) cublasLtDestroy(lt_);
 }
 
-void Linear::matmul(void* ws, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo, size_t ws_bytes) const {
+void Gemm::matmul(void* ws, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo, size_t ws_bytes) const {
   const float alpha = 1.f, beta = 0.f;
-  CUBLAS_CHECK(cublasLtMatmul(lt_, op_, &alpha, w_, a_, x_, b_, &beta, y_, c_, y_, c_, &algo, ws, ws_bytes, stream));
+  CUBLAS_CHECK(cublasLtMatmul(lt_, op_, &alpha, a_ptr_, a_, b_ptr_, b_, &beta, c_ptr_, c_, c_ptr_, c_, &algo, ws,
+                              ws_bytes, stream));
 }
 
-void Linear::run(cudaStream_t stream) const { matmul(ws_, stream, algo_, workspace_); }
+void Gemm::run(cudaStream_t stream) const { matmul(ws_, stream, algo_, workspace_); }
 
-ladder::Json Linear::stats() const {
+ladder::Json Gemm::stats() const {
   int id = -1, tile = -1;
   size_t written = 0;
   CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&algo_, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &written));
@@ -66,7 +73,7 @@ ladder::Json Linear::stats() const {
   j["algo"] = id;
   j["tile"] = tile;
   j["compute"] = compute_ == CUBLAS_COMPUTE_32F_FAST_TF32 ? "32F_FAST_TF32" : "32F";
-  j["epilogue"] = "bias";
+  j["epilogue"] = bias_ ? "bias" : "none";
   j["workspace_bytes"] = static_cast<unsigned long long>(workspace_);
   j["candidates_timed"] = tried_;
   j["tuned_ms"] = tuned_ms_;

@@ -1,9 +1,11 @@
 // The `cudnn` rung: an exact torchvision ResNet-50 from cuDNN, cuBLASLt and a little CUDA of our own, measured by
-// the ladder's protocol (cpp/common/ladder/protocol.h). With `--micro 1` it instead times each distinct convolution
-// of the network alone and prints them as one line `@@micro [...]` (JSON).
+// the ladder's protocol (cpp/common/ladder/protocol.h): its forward (net.h) or, with --task train, its training step
+// (train_net.h). With `--micro 1` it instead times each distinct convolution of the forward, or each step of the
+// training schedule, alone and prints them as one line `@@micro [...]` (JSON).
 #include <iostream>
 
 #include "net.h"
+#include "train_net.h"
 
 namespace {
 
@@ -20,6 +22,30 @@ rung::NetOptions options(const ladder::Args& a) {
   if (!own.empty()) tables.push_back(own);
   return {a.i("batch"), a.i("res"), p, nhwc, std::stoi(a.option("autotune", "8")),
           std::stoull(a.option("workspace-mb", "512")) << 20, tables, own};
+}
+
+// The cell as this rung reads it, checked before any CUDA call (so that the CPU test can see it parse).
+struct Setup {
+  rung::NetOptions net;
+  bool train;
+  float lr;         // training: core/train.py LEARNING_RATE, through the contract
+  int parity_steps;  // training: the steps whose losses go into the output file
+};
+
+Setup setup(const ladder::Args& a) {
+  Setup s{options(a), a.get("task", "infer") == "train", 0.f, std::stoi(a.get("parity-steps", "1"))};
+  if (!s.train) return s;
+  if (s.net.precision.storage == rung::Storage::F16)
+    throw std::runtime_error("fp16 training needs a gradient scaler, which the cudnn rung lacks (bf16 trains)");
+  if (!s.net.nhwc) throw std::runtime_error("the cudnn rung trains channels-last only (its BatchNorm kernels are NHWC)");
+  s.lr = float(a.d("lr"));
+  return s;
+}
+
+std::unique_ptr<rung::Network> network(const Setup& s, const ladder::TensorMap& weights,
+                                       const ladder::HostTensor& input, cudaStream_t stream, ladder::Json& stats) {
+  if (s.train) return std::make_unique<rung::ResNet50Train>(s.net, s.lr, weights, input, stream, stats);
+  return std::make_unique<rung::ResNet50>(s.net, weights, input, stream, stats);
 }
 
 cudaStream_t make_stream() {
@@ -45,12 +71,14 @@ class CudnnRung : public ladder::Rung {
  public:
   CudnnRung(const ladder::Args& a, const ladder::TensorMap& weights, const ladder::HostTensor& input,
             ladder::Json& stats)
-      : stream_(make_stream()), batch_(a.i("batch")) {
+      : setup_(setup(a)), stream_(make_stream()) {
     versions(stats);
-    net_ = std::make_unique<rung::ResNet50>(options(a), weights, input, stream_, stats);
-    // One eager pass first: lazily loaded kernel modules must not load during a capture.
+    net_ = network(setup_, weights, input, stream_, stats);
+    // One eager pass first: lazily loaded kernel modules must not load during a capture. A training step's update
+    // is undone, so that the first measured step starts from the run's weights.
     net_->issue();
     LADDER_CUDA(cudaStreamSynchronize(stream_));
+    net_->reset();
     stats["cuda_graph"] = a.flag("cuda-graph");
     if (!a.flag("cuda-graph")) return;
     cudaGraph_t graph;
@@ -75,13 +103,14 @@ class CudnnRung : public ladder::Rung {
   }
   cudaStream_t stream() const override { return stream_; }
   std::string stream_description() const override {
-    return std::string("cudaStreamNonBlocking created by rung") + (exec_ ? ", whole forward as one CUDA graph" : "");
+    return std::string("cudaStreamNonBlocking created by rung") + (exec_ ? ", each call one CUDA graph" : "");
   }
   void* device_input() override { return net_->input(); }
   size_t input_bytes() const override { return net_->input_bytes(); }
   void* device_output() override { return net_->output(); }
   size_t output_bytes() const override { return net_->output_bytes(); }
-  ladder::HostTensor output_fp32() override { return {{batch_, 1000}, net_->output_fp32()}; }
+  ladder::HostTensor output_fp32() override { return net_->result(1).at("output"); }  // inference's logits
+  ladder::TensorMap result_tensors() override { return net_->result(setup_.parity_steps); }
   void reset_memory_peak() override { rung::Ledger::get().peak = rung::Ledger::get().live; }
   void report_memory(ladder::Json& memory) override {
     // Every byte of the rung is its own cudaMalloc (no caching allocator): reserved == allocated.
@@ -91,9 +120,9 @@ class CudnnRung : public ladder::Rung {
   }
 
  private:
+  Setup setup_;
   cudaStream_t stream_;
-  int64_t batch_;
-  std::unique_ptr<rung::ResNet50> net_;
+  std::unique_ptr<rung::Network> net_;
   cudaGraphExec_t exec_ = nullptr;
 };
 
@@ -104,8 +133,7 @@ int micro(const ladder::Args& a) {
   cudaStream_t stream = make_stream();
   ladder::Json list;
   {
-    rung::ResNet50 net(options(a), weights, input, stream, stats);
-    list = net.micro(std::stoi(a.option("micro-reps", "20")));
+    list = network(setup(a), weights, input, stream, stats)->micro(std::stoi(a.option("micro-reps", "20")));
   }
   cudaStreamDestroy(stream);
   std::cout << "@@micro " << list.dump() << std::endl;

@@ -7,50 +7,34 @@
 #include <sstream>
 
 #include "kernels.h"
+#include "memory_plan.h"
 
 namespace rung {
 
-struct ResNet50::Pool {
-  int in, out;
-  cudnnPoolingDescriptor_t desc = nullptr;
-  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
-  ~Pool() {
-    if (y) cudnnDestroyTensorDescriptor(y);
-    if (x) cudnnDestroyTensorDescriptor(x);
-    if (desc) cudnnDestroyPoolingDescriptor(desc);
-  }
+struct ResNet50::Pool : PoolDesc {
+  using PoolDesc::PoolDesc;
+  int in = -1, out = -1;
 };
 
-namespace {
-
-// Engine tables: one choice per line, "key<TAB>fused<TAB>heuristic mode<TAB>position"; later files win.
-std::map<std::string, EngineChoice> read_engine_tables(const std::vector<std::string>& paths) {
-  std::map<std::string, EngineChoice> table;
-  for (const std::string& path : paths) {
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string key;
-      EngineChoice c{};
-      int fused = 0;
-      if (std::getline(fields, key, '\t') && fields >> fused >> c.heur_mode >> c.heur_index) {
-        c.fused = fused != 0;
-        table[key] = c;
-      }
-    }
-  }
-  return table;
+PoolDesc::PoolDesc(bool max, int window, int stride, int pad, const Precision& p, bool nhwc, int n, int c, int h,
+                   int w)
+    : out_h((h + 2 * pad - window) / stride + 1), out_w((w + 2 * pad - window) / stride + 1) {
+  const cudnnTensorFormat_t format = nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  CUDNN_CHECK(cudnnCreatePoolingDescriptor(&desc));
+  // Max pooling ignores the padding (PyTorch pads with -inf); the average pool has no padding.
+  CUDNN_CHECK(cudnnSetPooling2dDescriptor(desc, max ? CUDNN_POOLING_MAX : CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING,
+                                          CUDNN_NOT_PROPAGATE_NAN, window, window, pad, pad, stride, stride));
+  CUDNN_CHECK(cudnnCreateTensorDescriptor(&x));
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(x, format, p.cudnn, n, c, h, w));
+  CUDNN_CHECK(cudnnCreateTensorDescriptor(&y));
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(y, format, p.cudnn, n, c, out_h, out_w));
 }
 
-// One line per write, appended: a later process of the run reuses the choice.
-void append_engine_choice(const std::string& path, const std::string& key, const EngineChoice& c) {
-  if (path.empty()) return;
-  std::ofstream(path, std::ios::app) << key << '\t' << int(c.fused) << '\t' << c.heur_mode << '\t' << c.heur_index
-                                     << '\n' << std::flush;
+PoolDesc::~PoolDesc() {
+  if (y) cudnnDestroyTensorDescriptor(y);
+  if (x) cudnnDestroyTensorDescriptor(x);
+  if (desc) cudnnDestroyPoolingDescriptor(desc);
 }
-
-constexpr double kBnEps = 1e-5;  // torchvision's BatchNorm2d default
 
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string o = "[";
@@ -67,6 +51,8 @@ const ladder::HostTensor& weight(const ladder::TensorMap& w, const std::string& 
                              shape_str(shape));
   return it->second;
 }
+
+namespace {
 
 // All weights staged on the host in the storage type, each tensor 256-byte aligned, uploaded in one copy.
 class WeightArena {
@@ -179,38 +165,17 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   double t0 = ladder::now_s();
   size_t workspace = 0;
   {
-    TuningWorkspace scratch(o_.workspace_limit);
-    std::map<std::string, std::shared_ptr<ConvPlan>> tuned;
-    // Engine tables: the key names everything a choice depends on besides the GPU model (the table's folder).
-    const std::string prefix = "cudnn" + std::to_string(cudnnGetVersion()) + " " + p.name + (o_.nhwc ? " nhwc " : " nchw ");
-    std::map<std::string, EngineChoice> table = read_engine_tables(o_.engine_tables);
-    int from_table = 0;
+    ConvPlanner planner(handle_, o_.engine(), stream_);
     for (size_t i = 0; i < defs_.size(); ++i) {
       const ConvDef& d = defs_[i];
       ConvIO io{acts_[d.in].ptr, wptr(offsets[i].first), wptr(offsets[i].second),
                 d.residual >= 0 ? acts_[d.residual].ptr : nullptr, acts_[d.out].ptr};
-      std::string key = d.spec.shape.str() + " " + epilogue_name(d.spec.epilogue);
-      auto& plan = tuned[key];
-      auto known = table.find(prefix + key);
-      if (!plan && known != table.end()) {
-        plan = plan_from_choice(handle_, d.spec, io, scratch, known->second);
-        from_table += bool(plan);
-      }
-      if (!plan) {
-        plan = tune_conv(handle_, d.spec, io, scratch, o_.candidates, stream_);
-        append_engine_choice(o_.engine_table_out, prefix + key, {plan->fused, plan->heur_mode, plan->heur_index});
-      }
-      workspace = std::max(workspace, size_t(plan->workspace));
-      convs_.emplace_back(d.name, d.spec, io, plan);
+      convs_.emplace_back(d.name, d.spec, io, planner.plan(d.spec, io));
     }
     fc_ = std::make_unique<Linear>(p, o_.batch, features, classes, wptr(fc_w), wptr(fc_b), acts_[x].ptr,
-                                   output_.get(), scratch, stream_);
-    workspace = std::max(workspace, fc_->workspace());
-    stats["distinct_conv_plans"] = int(tuned.size());
-    stats["conv_plans_from_engine_tables"] = from_table;
-    ladder::Json tables = ladder::Json::array();
-    for (const std::string& t : o_.engine_tables) tables.push_back(t);
-    stats["engine_tables"] = tables;
+                                   output_.get(), planner.scratch(), stream_);
+    workspace = std::max(planner.workspace(), fc_->workspace());
+    planner.report(stats);
   }
   stats["autotune_s"] = ladder::now_s() - t0;
 
@@ -260,71 +225,31 @@ int ResNet50::add_conv(const std::string& conv, const std::string& bn, int in, i
 
 int ResNet50::add_pool(int in, bool max, int window, int stride, int pad) {
   const Act a = acts_[in];
-  const int h = (a.h + 2 * pad - window) / stride + 1, w = (a.w + 2 * pad - window) / stride + 1;
-  acts_.push_back({a.c, h, w});
-  auto pool = std::make_unique<Pool>();
+  auto pool = std::make_unique<Pool>(max, window, stride, pad, o_.precision, o_.nhwc, o_.batch, a.c, a.h, a.w);
+  acts_.push_back({a.c, pool->out_h, pool->out_w});
   pool->in = in;
   pool->out = int(acts_.size()) - 1;
-  const cudnnTensorFormat_t format = o_.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
-  CUDNN_CHECK(cudnnCreatePoolingDescriptor(&pool->desc));
-  // Max pooling ignores the padding (PyTorch pads with -inf); the average pool has no padding.
-  CUDNN_CHECK(cudnnSetPooling2dDescriptor(pool->desc, max ? CUDNN_POOLING_MAX : CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING,
-                                          CUDNN_NOT_PROPAGATE_NAN, window, window, pad, pad, stride, stride));
-  CUDNN_CHECK(cudnnCreateTensorDescriptor(&pool->x));
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(pool->x, format, o_.precision.cudnn, o_.batch, a.c, a.h, a.w));
-  CUDNN_CHECK(cudnnCreateTensorDescriptor(&pool->y));
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(pool->y, format, o_.precision.cudnn, o_.batch, a.c, h, w));
   pools_.push_back(std::move(pool));
   steps_.push_back({Step::Pooling, int(pools_.size()) - 1, {in}, int(acts_.size()) - 1});
   return int(acts_.size()) - 1;
 }
 
-// Activation memory plan: each step's output takes a buffer whose previous tenant is dead (last read by an earlier
-// step), the smallest that fits, else the largest free one grown; a new buffer only when none is free. An output
-// never shares with the step's own inputs, so no kernel reads what it overwrites.
 void ResNet50::plan_memory(ladder::Json& stats) {
-  for (size_t i = 0; i < steps_.size(); ++i)
-    for (int r : steps_[i].reads) acts_[r].last_use = int(i);
-  struct Buffer { size_t bytes = 0; int tenant = -1; };
-  std::vector<Buffer> buffers;
-  std::vector<int> home(acts_.size(), -1);
-  for (size_t i = 0; i < steps_.size(); ++i) {
-    const int out = steps_[i].writes;
-    if (out < 0) continue;  // the classifier writes the rung's output buffer
-    const Act& a = acts_[out];
-    const size_t need = align_up(size_t(o_.batch) * a.c * a.h * a.w * o_.precision.bytes);
-    int pick = -1;
-    for (int j = 0; j < int(buffers.size()); ++j) {
-      if (buffers[j].tenant >= 0 && acts_[buffers[j].tenant].last_use >= int(i)) continue;  // still live
-      if (pick < 0) { pick = j; continue; }
-      const bool fits = buffers[j].bytes >= need, pick_fits = buffers[pick].bytes >= need;
-      if (fits ? (!pick_fits || buffers[j].bytes < buffers[pick].bytes)
-               : (!pick_fits && buffers[j].bytes > buffers[pick].bytes))
-        pick = j;
-    }
-    if (pick < 0) {
-      buffers.emplace_back();
-      pick = int(buffers.size()) - 1;
-    }
-    buffers[pick].bytes = std::max(buffers[pick].bytes, need);
-    buffers[pick].tenant = out;
-    home[out] = pick;
-  }
-  std::vector<size_t> base;
-  size_t total = 0;
-  ladder::Json sizes = ladder::Json::array();
-  for (const Buffer& b : buffers) {
-    base.push_back(total);
-    total += b.bytes;
-    sizes.push_back(ladder::Json(static_cast<unsigned long long>(b.bytes)));
-  }
-  activations_ = DeviceBuffer(total);
+  std::vector<size_t> bytes;
+  for (const Act& a : acts_) bytes.push_back(align_up(size_t(o_.batch) * a.c * a.h * a.w * o_.precision.bytes));
+  bytes[0] = 0;  // the input has its own buffer
+  std::vector<PlannedStep> steps;
+  for (const Step& s : steps_) steps.push_back({s.reads, s.writes >= 0 ? std::vector<int>{s.writes} : std::vector<int>{}});
+  const MemoryPlan plan = rung::plan_memory(bytes, steps);
+  activations_ = DeviceBuffer(plan.total);
   for (size_t a = 0; a < acts_.size(); ++a)
-    if (home[a] >= 0) acts_[a].ptr = static_cast<char*>(activations_.get()) + base[home[a]];
-  ladder::Json plan = ladder::Json::object();
-  plan["buffers"] = sizes;
-  plan["activation_bytes"] = static_cast<unsigned long long>(total);
-  stats["memory_plan"] = plan;
+    if (plan.offsets[a] >= 0) acts_[a].ptr = static_cast<char*>(activations_.get()) + plan.offsets[a];
+  ladder::Json sizes = ladder::Json::array();
+  for (size_t b : plan.buffers) sizes.push_back(ladder::Json(static_cast<unsigned long long>(b)));
+  ladder::Json j = ladder::Json::object();
+  j["buffers"] = sizes;
+  j["activation_bytes"] = static_cast<unsigned long long>(plan.total);
+  stats["memory_plan"] = j;
 }
 
 void ResNet50::issue() const {
@@ -342,11 +267,11 @@ void ResNet50::issue() const {
   }
 }
 
-std::vector<float> ResNet50::output_fp32() const {
+ladder::TensorMap ResNet50::result(int) const {
   std::vector<uint8_t> host(output_.bytes());
   LADDER_CUDA(cudaMemcpyAsync(host.data(), output_.get(), host.size(), cudaMemcpyDeviceToHost, stream_));
   LADDER_CUDA(cudaStreamSynchronize(stream_));
-  return decode(host.data(), host.size() / o_.precision.bytes, o_.precision.storage);
+  return {{"output", {{o_.batch, 1000}, decode(host.data(), host.size() / o_.precision.bytes, o_.precision.storage)}}};
 }
 
 void ResNet50::report_memory(ladder::Json& memory) const {
@@ -361,7 +286,7 @@ ladder::Json ResNet50::micro(int reps) const {
   std::map<std::string, size_t> seen;
   for (const ConvLayer& c : convs_) {
     const ConvShape& s = c.spec().shape;
-    const std::string key = s.str() + " " + epilogue_name(c.spec().epilogue);
+    const std::string key = c.spec().key();
     if (seen.count(key)) {
       list.arr[seen[key]]["count"].num += 1;
       continue;

@@ -1,5 +1,5 @@
 // torchvision's ResNet-50 (eval mode) as cuDNN fused convolutions with batch-norm folded in, cuDNN pooling and a
-// cuBLASLt classifier, over an explicit activation memory plan.
+// cuBLASLt classifier, over an explicit activation memory plan (memory_plan.h).
 #pragma once
 #include <map>
 #include <memory>
@@ -12,6 +12,39 @@
 
 namespace rung {
 
+constexpr double kBnEps = 1e-5;  // torchvision's BatchNorm2d default
+
+std::string shape_str(const std::vector<int64_t>& s);
+// The named tensor of the weights file, checked against the shape torchvision's resnet50 gives it.
+const ladder::HostTensor& weight(const ladder::TensorMap& w, const std::string& name, const std::vector<int64_t>& shape);
+
+// What the rung's driver needs of a network: one call (a forward, or a training step) issued on the stream, its
+// device input and output, and what goes into the cell's output file.
+class Network {
+ public:
+  virtual ~Network() = default;
+  virtual void issue() const = 0;
+  virtual void* input() const = 0;
+  virtual size_t input_bytes() const = 0;
+  virtual void* output() const = 0;
+  virtual size_t output_bytes() const = 0;
+  virtual ladder::TensorMap result(int steps) const = 0;  // synchronises
+  virtual void report_memory(ladder::Json& memory) const = 0;
+  virtual ladder::Json micro(int reps) const = 0;
+  virtual void reset() {}  // back to the state the build left: undoes what calls changed (a training step's update)
+};
+
+// A cuDNN pooling of one activation shape: max (padding ignored: PyTorch pads with -inf) or average (no padding).
+struct PoolDesc {
+  PoolDesc(bool max, int window, int stride, int pad, const Precision& p, bool nhwc, int n, int c, int h, int w);
+  ~PoolDesc();
+  PoolDesc(const PoolDesc&) = delete;
+  PoolDesc& operator=(const PoolDesc&) = delete;
+  int out_h, out_w;
+  cudnnPoolingDescriptor_t desc = nullptr;
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+};
+
 struct NetOptions {
   int batch, res;
   Precision precision;
@@ -20,29 +53,31 @@ struct NetOptions {
   size_t workspace_limit; // the most workspace one candidate may ask for
   std::vector<std::string> engine_tables;  // engine choices to reuse (shipped for this GPU, the run's own), read
   std::string engine_table_out;            // where choices tuned here are appended ("" = nowhere)
+  EngineOptions engine() const {
+    return {&precision, nhwc, candidates, workspace_limit, engine_tables, engine_table_out};
+  }
 };
 
-class ResNet50 {
+class ResNet50 : public Network {
  public:
   ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const ladder::HostTensor& input, cudaStream_t stream,
            ladder::Json& stats);
-  ~ResNet50();
+  ~ResNet50() override;
   ResNet50(const ResNet50&) = delete;
   ResNet50& operator=(const ResNet50&) = delete;
 
-  void issue() const;  // one forward pass, asynchronously on the stream
-  void* input() const { return input_.get(); }
-  size_t input_bytes() const { return input_.bytes(); }
-  void* output() const { return output_.get(); }
-  size_t output_bytes() const { return output_.bytes(); }
-  std::vector<float> output_fp32() const;  // synchronises
-  void report_memory(ladder::Json& memory) const;
-  ladder::Json micro(int reps) const;  // each distinct convolution timed alone
+  void issue() const override;  // one forward pass, asynchronously on the stream
+  void* input() const override { return input_.get(); }
+  size_t input_bytes() const override { return input_.bytes(); }
+  void* output() const override { return output_.get(); }
+  size_t output_bytes() const override { return output_.bytes(); }
+  ladder::TensorMap result(int steps) const override;  // the logits, as fp32 "output"
+  void report_memory(ladder::Json& memory) const override;
+  ladder::Json micro(int reps) const override;  // each distinct convolution timed alone
 
  private:
   struct Act {      // one activation of the batch
     int c, h, w;
-    int last_use = -1;  // index of the last step that reads it
     void* ptr = nullptr;
   };
   struct ConvDef {  // a convolution before tuning: where its weights come from and what it reads and writes

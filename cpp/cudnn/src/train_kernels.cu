@@ -1,0 +1,378 @@
+#include "train_kernels.h"
+
+#include <algorithm>
+
+#include "typed.cuh"
+
+namespace rung {
+namespace {
+
+// BatchNorm's reductions: a block is 32 channels (one per lane: a warp reads 32 neighbouring channels of a row) x 8
+// row lanes; blockIdx.y picks one of `groups` interleaved sets of rows.
+constexpr int kLanes = 32, kRowLanes = 8;
+// Vectorised elementwise passes: 8 neighbouring channels per thread (16 bytes in 16 bits); every channel count of
+// ResNet-50 is a multiple of 8 and every buffer 256-byte aligned.
+constexpr int kVec = 8;
+
+template <typename T>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+// Chan et al.'s pairwise update of (count, mean, M2) with (nb, mb, m2b).
+template <typename F>
+__host__ __device__ void combine(F& n, F& mean, F& m2, F nb, F mb, F m2b) {
+  if (nb == 0) return;
+  const F total = n + nb, delta = mb - mean;
+  mean += delta * nb / total;
+  m2 += m2b + delta * delta * n * nb / total;
+  n = total;
+}
+
+template <typename T>
+__global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __restrict__ partial) {
+  const int c = blockIdx.x * kLanes + threadIdx.x;
+  float n = 0, mean = 0, m2 = 0;
+  if (c < channels)
+    for (int64_t r = int64_t(blockIdx.y) * kRowLanes + threadIdx.y; r < rows; r += int64_t(gridDim.y) * kRowLanes) {
+      const float v = to_float(x[r * channels + c]);
+      n += 1;
+      const float d = v - mean;
+      mean += d / n;
+      m2 += d * (v - mean);
+    }
+  __shared__ float sn[kRowLanes][kLanes], smean[kRowLanes][kLanes], sm2[kRowLanes][kLanes];
+  sn[threadIdx.y][threadIdx.x] = n;
+  smean[threadIdx.y][threadIdx.x] = mean;
+  sm2[threadIdx.y][threadIdx.x] = m2;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= channels) return;
+  for (int i = 1; i < kRowLanes; ++i)
+    combine(n, mean, m2, sn[i][threadIdx.x], smean[i][threadIdx.x], sm2[i][threadIdx.x]);
+  float* out = partial + (size_t(blockIdx.y) * channels + c) * 3;
+  out[0] = n;
+  out[1] = mean;
+  out[2] = m2;
+}
+
+__global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups, int channels, const float* gamma,
+                                   const float* beta, float* running_mean, float* running_var, float momentum,
+                                   float eps, float* save_mean, float* save_invstd, float* scale_shift) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  double n = 0, mean = 0, m2 = 0;
+  for (int g = 0; g < groups; ++g) {
+    const float* p = partial + (size_t(g) * channels + c) * 3;
+    combine<double>(n, mean, m2, p[0], p[1], p[2]);
+  }
+  const double invstd = 1.0 / sqrt(m2 / n + eps);  // normalised with the biased variance
+  save_mean[c] = float(mean);
+  save_invstd[c] = float(invstd);
+  running_mean[c] = float((1 - momentum) * running_mean[c] + momentum * mean);
+  running_var[c] = float((1 - momentum) * running_var[c] + momentum * m2 / (n - 1));  // the unbiased one
+  const double scale = gamma[c] * invstd;
+  scale_shift[c] = float(scale);
+  scale_shift[channels + c] = float(beta[c] - mean * scale);
+}
+
+template <typename T>
+__global__ void bn_apply_kernel(const T* __restrict__ x, const T* __restrict__ z, T* __restrict__ y, bool relu,
+                                size_t packs, int channels, const float* __restrict__ scale_shift) {
+  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (i >= packs) return;
+  const int c0 = int((i * kVec) % channels);
+  const Pack<T> in = reinterpret_cast<const Pack<T>*>(x)[i];
+  Pack<T> add{}, out;
+  if (z) add = reinterpret_cast<const Pack<T>*>(z)[i];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    float v = to_float(in.v[j]) * scale_shift[c0 + j] + scale_shift[channels + c0 + j];
+    if (z) v += to_float(add.v[j]);
+    out.v[j] = from_float<T>(relu ? fmaxf(v, 0.f) : v);
+  }
+  reinterpret_cast<Pack<T>*>(y)[i] = out;
+}
+
+template <typename T>
+__device__ float masked_grad(const T* dy, const T* y, bool relu, size_t i) {
+  return relu && to_float(y[i]) <= 0.f ? 0.f : to_float(dy[i]);  // ReLU's gradient from its output, as PyTorch
+}
+
+template <typename T>
+__global__ void bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
+                                    bool relu, int64_t rows, int channels, const float* __restrict__ save_mean,
+                                    const float* __restrict__ save_invstd, float* __restrict__ partial) {
+  const int c = blockIdx.x * kLanes + threadIdx.x;
+  float sum = 0, dot = 0;
+  if (c < channels) {
+    const float mean = save_mean[c], invstd = save_invstd[c];
+    for (int64_t r = int64_t(blockIdx.y) * kRowLanes + threadIdx.y; r < rows; r += int64_t(gridDim.y) * kRowLanes) {
+      const size_t i = size_t(r) * channels + c;
+      const float d = masked_grad(dy, y, relu, i);
+      sum += d;
+      dot += d * (to_float(x[i]) - mean) * invstd;
+    }
+  }
+  __shared__ float ssum[kRowLanes][kLanes], sdot[kRowLanes][kLanes];
+  ssum[threadIdx.y][threadIdx.x] = sum;
+  sdot[threadIdx.y][threadIdx.x] = dot;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= channels) return;
+  for (int i = 1; i < kRowLanes; ++i) {
+    sum += ssum[i][threadIdx.x];
+    dot += sdot[i][threadIdx.x];
+  }
+  float* out = partial + (size_t(blockIdx.y) * channels + c) * 3;
+  out[0] = sum;
+  out[1] = dot;
+}
+
+__global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int groups, int channels, int64_t rows,
+                                        const float* gamma, const float* save_invstd, float* dgamma, float* dbeta,
+                                        float* coef) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  double sum = 0, dot = 0;
+  for (int g = 0; g < groups; ++g) {
+    sum += partial[(size_t(g) * channels + c) * 3];
+    dot += partial[(size_t(g) * channels + c) * 3 + 1];
+  }
+  dbeta[c] = float(sum);
+  dgamma[c] = float(dot);
+  coef[c] = gamma[c] * save_invstd[c];
+  coef[channels + c] = float(sum / rows);
+  coef[2 * channels + c] = float(dot / rows);
+}
+
+template <typename T>
+__global__ void bn_grad_apply_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
+                                     T* __restrict__ dx, T* __restrict__ dz, bool relu, size_t packs, int channels,
+                                     const float* __restrict__ save_mean, const float* __restrict__ save_invstd,
+                                     const float* __restrict__ coef) {
+  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (i >= packs) return;
+  const int c0 = int((i * kVec) % channels);
+  const Pack<T> g = reinterpret_cast<const Pack<T>*>(dy)[i], in = reinterpret_cast<const Pack<T>*>(x)[i];
+  Pack<T> out{}, masked, dout;
+  if (relu) out = reinterpret_cast<const Pack<T>*>(y)[i];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const int c = c0 + j;
+    const float d = relu && to_float(out.v[j]) <= 0.f ? 0.f : to_float(g.v[j]);
+    masked.v[j] = from_float<T>(d);
+    const float xhat = (to_float(in.v[j]) - save_mean[c]) * save_invstd[c];
+    dout.v[j] = from_float<T>(coef[c] * (d - coef[channels + c] - xhat * coef[2 * channels + c]));
+  }
+  reinterpret_cast<Pack<T>*>(dx)[i] = dout;
+  if (dz) reinterpret_cast<Pack<T>*>(dz)[i] = masked;
+}
+
+// Sum of a block's values, for every thread (blockDim.x a multiple of 32, at most 1024).
+__device__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0;
+  for (int w = 0; w < warps; ++w) total += shared[w];
+  return total;
+}
+
+__device__ float block_max(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) shared[warp] = v;
+  __syncthreads();
+  float best = -INFINITY;
+  for (int w = 0; w < warps; ++w) best = fmaxf(best, shared[w]);
+  return best;
+}
+
+template <typename T>
+__global__ void cross_entropy_kernel(const T* __restrict__ logits, T* __restrict__ dlogits, int batch, int classes,
+                                     float* __restrict__ row_loss) {
+  __shared__ float shared[32];
+  const int row = blockIdx.x;
+  const T* in = logits + size_t(row) * classes;
+  float best = -INFINITY;
+  for (int j = threadIdx.x; j < classes; j += blockDim.x) best = fmaxf(best, to_float(in[j]));
+  best = block_max(best, shared);
+  float sum = 0;
+  for (int j = threadIdx.x; j < classes; j += blockDim.x) sum += expf(to_float(in[j]) - best);
+  sum = block_sum(sum, shared);
+  const int label = int((int64_t(row) * 7919) % classes);  // core/train.py labels
+  for (int j = threadIdx.x; j < classes; j += blockDim.x) {
+    const float p = expf(to_float(in[j]) - best) / sum;
+    dlogits[size_t(row) * classes + j] = from_float<T>((p - (j == label ? 1.f : 0.f)) / batch);
+  }
+  if (threadIdx.x == 0) row_loss[row] = logf(sum) + best - to_float(in[label]);
+}
+
+__global__ void loss_mean_kernel(const float* __restrict__ row_loss, int batch, float* last_loss, float* history,
+                                 int* count, int capacity) {
+  __shared__ float shared[32];
+  float sum = 0;
+  for (int i = threadIdx.x; i < batch; i += blockDim.x) sum += row_loss[i];
+  sum = block_sum(sum, shared);
+  if (threadIdx.x != 0) return;
+  *last_loss = sum / batch;
+  if (*count < capacity) history[*count] = sum / batch;
+  *count += 1;
+}
+
+template <typename T>
+__global__ void column_sum_kernel(const T* __restrict__ dy, T* __restrict__ db, int batch, int classes) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= classes) return;
+  float sum = 0;
+  for (int i = 0; i < batch; ++i) sum += to_float(dy[size_t(i) * classes + j]);
+  db[j] = from_float<T>(sum);
+}
+
+template <typename T>
+__global__ void add_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, size_t packs) {
+  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (i >= packs) return;
+  const Pack<T> x = reinterpret_cast<const Pack<T>*>(a)[i], y = reinterpret_cast<const Pack<T>*>(b)[i];
+  Pack<T> o;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) o.v[j] = from_float<T>(to_float(x.v[j]) + to_float(y.v[j]));
+  reinterpret_cast<Pack<T>*>(out)[i] = o;
+}
+
+__device__ float load_as_float(const void* p, Storage t, int64_t i) {
+  switch (t) {
+    case Storage::F16: return __half2float(static_cast<const __half*>(p)[i]);
+    case Storage::BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ void store_from_float(void* p, Storage t, int64_t i, float v) {
+  switch (t) {
+    case Storage::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    case Storage::BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
+
+struct Chunk {
+  int tensor;
+  int64_t begin, end;
+};
+constexpr int64_t kChunk = 8192;  // elements per block
+
+__global__ void sgd_kernel(const SgdTensor* __restrict__ tensors, const Chunk* __restrict__ chunks, float lr,
+                           float momentum, float weight_decay) {
+  const Chunk ch = chunks[blockIdx.x];
+  const SgdTensor t = tensors[ch.tensor];
+  for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) {
+    float w = t.master[i];
+    const float g = load_as_float(t.grad, t.grad_type, i) + weight_decay * w;
+    const float buf = momentum * t.momentum[i] + g;  // zero-initialised: the first step's buf is g, as PyTorch's
+    t.momentum[i] = buf;
+    w -= lr * buf;
+    t.master[i] = w;
+    if (t.copy) store_from_float(t.copy, t.copy_type, i, w);
+  }
+}
+
+unsigned packs_blocks(size_t packs) { return blocks_for(packs); }
+
+}  // namespace
+
+BnGrid BnGrid::for_shape(int64_t rows, int channels) {
+  // About 8 blocks per SM of an H100 in all, and at least 16 rows per thread.
+  const int tiles = (channels + kLanes - 1) / kLanes;
+  const int64_t by_rows = std::max<int64_t>(1, rows / (kRowLanes * 16));
+  return {int(std::max<int64_t>(1, std::min<int64_t>(by_rows, std::max(1, 1056 / tiles))))};
+}
+
+void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
+                const float* gamma, const float* beta, float* running_mean, float* running_var, float momentum,
+                float eps, float* save_mean, float* save_invstd, float* scale_shift, float* scratch, BnGrid grid,
+                cudaStream_t stream) {
+  if (channels % kVec) throw std::runtime_error("BatchNorm kernels need channels in multiples of 8");
+  const dim3 block(kLanes, kRowLanes), blocks((channels + kLanes - 1) / kLanes, grid.groups);
+  const size_t packs = size_t(rows) * channels / kVec;
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    bn_stats_kernel<T><<<blocks, block, 0, stream>>>(static_cast<const T*>(x), rows, channels, scratch);
+    bn_finalize_kernel<<<(channels + 127) / 128, 128, 0, stream>>>(scratch, grid.groups, channels, gamma, beta,
+                                                                   running_mean, running_var, momentum, eps,
+                                                                   save_mean, save_invstd, scale_shift);
+    bn_apply_kernel<T><<<packs_blocks(packs), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(z), static_cast<T*>(y), relu, packs, channels, scale_shift);
+  });
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* dz, bool relu, Storage st,
+                 int64_t rows, int channels, const float* gamma, const float* save_mean, const float* save_invstd,
+                 float* dgamma, float* dbeta, float* coef, float* scratch, BnGrid grid, cudaStream_t stream) {
+  const dim3 block(kLanes, kRowLanes), blocks((channels + kLanes - 1) / kLanes, grid.groups);
+  const size_t packs = size_t(rows) * channels / kVec;
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    bn_grad_sums_kernel<T><<<blocks, block, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(y),
+                                                         static_cast<const T*>(x), relu, rows, channels, save_mean,
+                                                         save_invstd, scratch);
+    bn_grad_finalize_kernel<<<(channels + 127) / 128, 128, 0, stream>>>(scratch, grid.groups, channels, rows, gamma,
+                                                                        save_invstd, dgamma, dbeta, coef);
+    bn_grad_apply_kernel<T><<<packs_blocks(packs), kThreads, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), static_cast<T*>(dx),
+        static_cast<T*>(dz), relu, packs, channels, save_mean, save_invstd, coef);
+  });
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int classes, float* row_loss,
+                   float* last_loss, float* history, int* count, int capacity, cudaStream_t stream) {
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    cross_entropy_kernel<T><<<batch, kThreads, 0, stream>>>(static_cast<const T*>(logits), static_cast<T*>(dlogits),
+                                                            batch, classes, row_loss);
+  });
+  loss_mean_kernel<<<1, kThreads, 0, stream>>>(row_loss, batch, last_loss, history, count, capacity);
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void column_sum(const void* dy, void* db, Storage st, int batch, int classes, cudaStream_t stream) {
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    column_sum_kernel<T><<<blocks_for(classes), kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<T*>(db),
+                                                                      batch, classes);
+  });
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void add(const void* a, const void* b, void* out, Storage st, size_t n, cudaStream_t stream) {
+  if (n % kVec) throw std::runtime_error("add needs a multiple of 8 elements");
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    add_kernel<T><<<packs_blocks(n / kVec), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
+                                                                   static_cast<T*>(out), n / kVec);
+  });
+  LADDER_CUDA(cudaGetLastError());
+}
+
+Sgd::Sgd(const std::vector<SgdTensor>& tensors) {
+  std::vector<Chunk> chunks;
+  for (size_t t = 0; t < tensors.size(); ++t)
+    for (int64_t b = 0; b < tensors[t].n; b += kChunk) chunks.push_back({int(t), b, std::min(b + kChunk, tensors[t].n)});
+  tensors_ = DeviceBuffer(tensors.size() * sizeof(SgdTensor));
+  chunks_ = DeviceBuffer(chunks.size() * sizeof(Chunk));
+  LADDER_CUDA(cudaMemcpy(tensors_.get(), tensors.data(), tensors_.bytes(), cudaMemcpyHostToDevice));
+  LADDER_CUDA(cudaMemcpy(chunks_.get(), chunks.data(), chunks_.bytes(), cudaMemcpyHostToDevice));
+  n_chunks_ = int(chunks.size());
+}
+
+void Sgd::step(float lr, float momentum, float weight_decay, cudaStream_t stream) const {
+  sgd_kernel<<<n_chunks_, kThreads, 0, stream>>>(static_cast<const SgdTensor*>(tensors_.get()),
+                                                 static_cast<const Chunk*>(chunks_.get()), lr, momentum, weight_decay);
+  LADDER_CUDA(cudaGetLastError());
+}
+
+}  // namespace rung

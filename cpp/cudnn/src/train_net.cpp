@@ -1,0 +1,553 @@
+#include "train_net.h"
+
+#include "kernels.h"
+#include "memory_plan.h"
+
+namespace rung {
+namespace {
+
+constexpr float kBnMomentum = 0.1f;                       // torchvision's BatchNorm2d default
+constexpr float kSgdMomentum = 0.9f, kWeightDecay = 1e-4f;  // core/train.py MOMENTUM, WEIGHT_DECAY
+constexpr int kClasses = 1000;
+constexpr int kLossHistory = 64;  // the losses of the first steps kept for the output file
+
+}  // namespace
+
+struct ResNet50Train::Param {
+  std::string name;            // PyTorch's: conv1.weight, layer1.0.bn1.bias, fc.weight...
+  std::vector<int64_t> shape;  // PyTorch's
+  int padded_channels;         // a filter's input channels as laid out (KRSC); 0: not a filter
+  int64_t n;                   // elements as laid out
+  size_t master;               // float offset into master_ and momentum_
+  size_t grad, copy;           // byte offsets into grads_ and copies_
+  bool has_copy;               // the forward reads a storage-type copy (16-bit runs)
+  Storage grad_type;
+};
+
+struct ResNet50Train::ConvUnit {
+  std::string name;
+  ConvShape shape;
+  int w, x, y;
+  int dx = -1, dy = -1;
+  std::unique_ptr<ConvLayer> fprop, dgrad, wgrad;
+};
+
+struct ResNet50Train::BnUnit {
+  std::string name;
+  int channels, x, y, z;  // z: the residual added before the ReLU, or -1
+  bool relu;
+  int gamma, beta;
+  size_t state;  // float offset into bn_state_: running mean, running variance, saved mean, saved 1/std
+  int dy = -1, dx = -1, dz = -1;
+};
+
+struct ResNet50Train::PoolUnit : PoolDesc {  // PoolDesc's x and y are its cuDNN descriptors; these are tensors
+  using PoolDesc::PoolDesc;
+  int input = -1, output = -1, dinput = -1, doutput = -1;
+};
+
+ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::TensorMap& weights,
+                             const ladder::HostTensor& input, cudaStream_t stream, ladder::Json& stats)
+    : o_(o), lr_(lr), stream_(stream) {
+  const Precision& p = o_.precision;
+  if (!o_.nhwc) throw std::runtime_error("the cudnn rung trains channels-last only (its BatchNorm kernels are NHWC)");
+  if (input.shape != std::vector<int64_t>{o_.batch, 3, o_.res, o_.res})
+    throw std::runtime_error("input has shape " + shape_str(input.shape) + ", expected [batch, 3, res, res]");
+  CUDNN_CHECK(cudnnCreate(&handle_));
+  CUDNN_CHECK(cudnnSetStream(handle_, stream_));
+
+  // The forward, in torchvision's order (v1.5 bottlenecks: the stride on the 3x3; the block's branch, then its
+  // projection), then the backward in reverse, then SGD: one schedule, one memory plan.
+  c_in_ = p.tensor_cores() ? int(16 / p.bytes) : 3;
+  const int x0 = tensor(c_in_, o_.res, o_.res);
+  int x = pool(bn("bn1", conv("conv1", x0, 64, 7, 2, 3), true), true, 3, 2, 1);
+  const int stem_pool = int(pools_.size()) - 1;
+  struct BlockUnits { int conv1, bn1, conv2, bn2, conv3, bn3, proj_conv = -1, proj_bn = -1; };
+  std::vector<BlockUnits> blocks;
+  const int widths[] = {64, 128, 256, 512}, counts[] = {3, 4, 6, 3};
+  for (int l = 0; l < 4; ++l)
+    for (int b = 0; b < counts[l]; ++b) {
+      const std::string name = "layer" + std::to_string(l + 1) + "." + std::to_string(b) + ".";
+      const int width = widths[l], stride = b == 0 && l > 0 ? 2 : 1;
+      BlockUnits u{};
+      int t = bn(name + "bn1", conv(name + "conv1", x, width, 1, 1, 0), true);
+      u.conv1 = int(convs_.size()) - 1, u.bn1 = int(bns_.size()) - 1;
+      t = bn(name + "bn2", conv(name + "conv2", t, width, 3, stride, 1), true);
+      u.conv2 = int(convs_.size()) - 1, u.bn2 = int(bns_.size()) - 1;
+      const int c3 = conv(name + "conv3", t, width * 4, 1, 1, 0);
+      u.conv3 = int(convs_.size()) - 1;
+      int skip = x;
+      if (b == 0) {
+        skip = bn(name + "downsample.1", conv(name + "downsample.0", x, width * 4, 1, stride, 0), false);
+        u.proj_conv = int(convs_.size()) - 1, u.proj_bn = int(bns_.size()) - 1;
+      }
+      x = bn(name + "bn3", c3, true, skip);
+      u.bn3 = int(bns_.size()) - 1;
+      blocks.push_back(u);
+    }
+  const Tensor last = tensors_[x];
+  pooled_ = pool(x, false, last.h, last.h, 0);
+  const int features = last.c;
+  fc_w_ = param("fc.weight", {kClasses, features}, p.storage != Storage::F32);
+  fc_b_ = param("fc.bias", {kClasses}, p.storage != Storage::F32);
+  logits_ = tensor(kClasses, 1, 1);
+  steps_.push_back({Kind::FcForward, 0, {pooled_}, {logits_}});
+  dlogits_ = tensor(kClasses, 1, 1);
+  steps_.push_back({Kind::Loss, 0, {logits_}, {dlogits_}});
+
+  steps_.push_back({Kind::FcWgrad, 0, {pooled_, dlogits_}, {}});
+  steps_.push_back({Kind::FcBias, 0, {dlogits_}, {}});
+  dpooled_ = tensor(features, 1, 1);
+  steps_.push_back({Kind::FcDgrad, 0, {dlogits_}, {dpooled_}});
+  int dy = pool_backward(int(pools_.size()) - 1, dpooled_);
+  for (auto u = blocks.rbegin(); u != blocks.rend(); ++u) {
+    int d = bn_backward(u->bn3, dy);
+    const int dskip = bns_[u->bn3].dz;
+    d = bn_backward(u->bn2, conv_backward(u->conv3, d, true));
+    d = bn_backward(u->bn1, conv_backward(u->conv2, d, true));
+    const int branch = conv_backward(u->conv1, d, true);
+    const int shortcut = u->proj_conv < 0 ? dskip : conv_backward(u->proj_conv, bn_backward(u->proj_bn, dskip), true);
+    dy = add(branch, shortcut);
+  }
+  conv_backward(0, bn_backward(0, pool_backward(stem_pool, dy)), false);  // no gradient for the input
+  steps_.push_back({Kind::Sgd, 0, {}, {}});
+
+  place_parameters(weights);
+
+  // Input: the contract's fp32 NCHW converted once into the storage type, NHWC (autocast's cast of the input).
+  input_ = DeviceBuffer(size_t(o_.batch) * c_in_ * o_.res * o_.res * p.bytes);
+  tensors_[x0].ptr = input_.get();
+  DeviceBuffer staging(input.data.size() * sizeof(float));
+  LADDER_CUDA(cudaMemcpy(staging.get(), input.data.data(), staging.bytes(), cudaMemcpyHostToDevice));
+  nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), p.storage, o_.batch, 3, o_.res, o_.res, c_in_,
+               stream_);
+  LADDER_CUDA(cudaStreamSynchronize(stream_));
+
+  // The loss: per row, the last step's, the first steps', and how many steps ran.
+  loss_ = DeviceBuffer(align_up(sizeof(float)) + align_up(size_t(o_.batch) * sizeof(float)) +
+                       align_up(kLossHistory * sizeof(float)) + sizeof(int));
+  char* base = static_cast<char*>(loss_.get());
+  row_loss_ = reinterpret_cast<float*>(base + align_up(sizeof(float)));
+  history_ = reinterpret_cast<float*>(base + align_up(sizeof(float)) + align_up(size_t(o_.batch) * sizeof(float)));
+  count_ = reinterpret_cast<int*>(reinterpret_cast<char*>(history_) + align_up(kLossHistory * sizeof(float)));
+
+  std::vector<size_t> bytes;
+  for (const Tensor& t : tensors_) bytes.push_back(align_up(size_t(o_.batch) * t.c * t.h * t.w * p.bytes));
+  bytes[x0] = 0;  // the input has its own buffer
+  std::vector<PlannedStep> planned;
+  for (const Step& s : steps_) planned.push_back({s.reads, s.writes});
+  const MemoryPlan plan = plan_memory(bytes, planned);
+  activations_ = DeviceBuffer(plan.total);
+  for (size_t t = 0; t < tensors_.size(); ++t)
+    if (plan.offsets[t] >= 0) tensors_[t].ptr = static_cast<char*>(activations_.get()) + plan.offsets[t];
+  ladder::Json memory_plan = ladder::Json::object();
+  memory_plan["tensors"] = int(tensors_.size());
+  memory_plan["buffers"] = int(plan.buffers.size());
+  memory_plan["activation_bytes"] = static_cast<unsigned long long>(plan.total);
+  stats["memory_plan"] = memory_plan;
+
+  build_kernels(stats);
+  reset();  // tuning ran the convolutions on these buffers: start from the weights file
+}
+
+ResNet50Train::~ResNet50Train() {
+  convs_.clear();
+  pools_.clear();
+  if (handle_) cudnnDestroy(handle_);
+}
+
+int ResNet50Train::tensor(int c, int h, int w) {
+  tensors_.push_back({c, h, w});
+  return int(tensors_.size()) - 1;
+}
+
+int ResNet50Train::param(const std::string& name, std::vector<int64_t> shape, bool low_precision_copy,
+                         int padded_channels) {
+  int64_t n = 1;
+  for (size_t i = 0; i < shape.size(); ++i) n *= i == 1 && padded_channels ? padded_channels : shape[i];
+  const size_t master = params_.empty() ? 0 : params_.back().master + align_up(params_.back().n, 64);
+  const Storage grad_type = low_precision_copy ? o_.precision.storage : Storage::F32;
+  params_.push_back({name, std::move(shape), padded_channels, n, master, 0, 0, low_precision_copy, grad_type});
+  return int(params_.size()) - 1;
+}
+
+int ResNet50Train::conv(const std::string& name, int x, int k, int r, int stride, int pad) {
+  const Tensor a = tensors_[x];
+  const ConvShape s{o_.batch, a.c, a.h, a.w, k, r, r, stride, pad};
+  const int true_channels = name == "conv1" ? 3 : a.c;  // the stem's input is zero-padded
+  const int w = param(name + ".weight", {k, true_channels, r, r}, o_.precision.storage != Storage::F32, a.c);
+  const int y = tensor(k, s.p(), s.q());
+  convs_.push_back({name, s, w, x, y});
+  steps_.push_back({Kind::ConvFprop, int(convs_.size()) - 1, {x}, {y}});
+  return y;
+}
+
+int ResNet50Train::bn(const std::string& name, int x, bool relu, int z) {
+  const Tensor a = tensors_[x];
+  const int y = tensor(a.c, a.h, a.w);
+  const size_t state = bns_.empty() ? 0 : bns_.back().state + 4 * size_t(bns_.back().channels);
+  bns_.push_back({name, a.c, x, y, z, relu, param(name + ".weight", {a.c}, false), param(name + ".bias", {a.c}, false),
+                  state});
+  std::vector<int> reads = {x};
+  if (z >= 0) reads.push_back(z);
+  steps_.push_back({Kind::BnForward, int(bns_.size()) - 1, reads, {y}});
+  return y;
+}
+
+int ResNet50Train::pool(int x, bool max, int window, int stride, int pad) {
+  const Tensor a = tensors_[x];
+  auto unit = std::make_unique<PoolUnit>(max, window, stride, pad, o_.precision, true, o_.batch, a.c, a.h, a.w);
+  unit->input = x;
+  unit->output = tensor(a.c, unit->out_h, unit->out_w);
+  steps_.push_back({Kind::PoolForward, int(pools_.size()), {x}, {unit->output}});
+  pools_.push_back(std::move(unit));
+  return pools_.back()->output;
+}
+
+int ResNet50Train::conv_backward(int unit, int dy, bool data) {
+  ConvUnit& u = convs_[unit];
+  u.dy = dy;
+  steps_.push_back({Kind::ConvWgrad, unit, {u.x, dy}, {}});
+  if (!data) return -1;
+  const Tensor a = tensors_[u.x];
+  u.dx = tensor(a.c, a.h, a.w);
+  steps_.push_back({Kind::ConvDgrad, unit, {dy}, {u.dx}});
+  return u.dx;
+}
+
+int ResNet50Train::bn_backward(int unit, int dy) {
+  BnUnit& u = bns_[unit];
+  const Tensor a = tensors_[u.x];
+  u.dy = dy;
+  u.dx = tensor(a.c, a.h, a.w);
+  std::vector<int> reads = {dy, u.x}, writes = {u.dx};
+  if (u.relu) reads.push_back(u.y);
+  if (u.z >= 0) writes.push_back(u.dz = tensor(a.c, a.h, a.w));
+  steps_.push_back({Kind::BnBackward, unit, reads, writes});
+  return u.dx;
+}
+
+int ResNet50Train::pool_backward(int unit, int dy) {
+  PoolUnit& u = *pools_[unit];
+  const Tensor a = tensors_[u.input];
+  u.doutput = dy;
+  u.dinput = tensor(a.c, a.h, a.w);
+  steps_.push_back({Kind::PoolBackward, unit, {dy, u.input, u.output}, {u.dinput}});
+  return u.dinput;
+}
+
+int ResNet50Train::add(int a, int b) {
+  const Tensor t = tensors_[a];
+  const int out = tensor(t.c, t.h, t.w);
+  adds_.push_back({a, b, out});
+  steps_.push_back({Kind::Add, int(adds_.size()) - 1, {a, b}, {out}});
+  return out;
+}
+
+// fp32 master weights (filters as KRSC, input channels zero-padded), zero momentum, the storage-type copies the
+// forward reads, the gradients' arena, and BatchNorm's running statistics from the weights file.
+void ResNet50Train::place_parameters(const ladder::TensorMap& weights) {
+  const Precision& p = o_.precision;
+  const Param& last = params_.back();
+  std::vector<float> host(last.master + align_up(last.n, 64), 0.f);
+  size_t grads = 0, copies = 0;
+  for (Param& q : params_) {
+    const std::vector<float>& src = weight(weights, q.name, q.shape).data;
+    if (q.padded_channels) {
+      const int64_t k = q.shape[0], c = q.shape[1], r = q.shape[2], cp = q.padded_channels;
+      for (int64_t o = 0; o < k; ++o)
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t y = 0; y < r; ++y)
+            for (int64_t x = 0; x < r; ++x)
+              host[q.master + ((o * r + y) * r + x) * cp + i] = src[((o * c + i) * r + y) * r + x];
+    } else {
+      std::copy(src.begin(), src.end(), host.begin() + q.master);
+    }
+    q.grad = grads;
+    grads += align_up(q.n * (q.grad_type == Storage::F32 ? 4 : 2));
+    q.copy = copies;
+    if (q.has_copy) copies += align_up(q.n * p.bytes);
+  }
+  master_ = DeviceBuffer(host.size() * sizeof(float));
+  momentum_ = DeviceBuffer(host.size() * sizeof(float));
+  grads_ = DeviceBuffer(grads);
+  if (copies) {
+    copies_ = DeviceBuffer(copies);
+    initial_copies_.resize(copies);
+    for (const Param& q : params_) {
+      if (!q.has_copy) continue;
+      std::vector<uint8_t> bytes = encode({host.begin() + q.master, host.begin() + q.master + q.n}, p.storage);
+      std::copy(bytes.begin(), bytes.end(), initial_copies_.begin() + q.copy);
+    }
+  }
+  initial_master_ = std::move(host);
+  const BnUnit& tail = bns_.back();
+  std::vector<float> state(tail.state + 4 * tail.channels, 0.f);
+  for (const BnUnit& b : bns_) {
+    const std::vector<int64_t> shape = {b.channels};
+    const auto& mean = weight(weights, b.name + ".running_mean", shape).data;
+    const auto& var = weight(weights, b.name + ".running_var", shape).data;
+    std::copy(mean.begin(), mean.end(), state.begin() + b.state);
+    std::copy(var.begin(), var.end(), state.begin() + b.state + b.channels);
+    const BnGrid grid = BnGrid::for_shape(int64_t(o_.batch) * tensors_[b.x].h * tensors_[b.x].w, b.channels);
+    bn_scratch_floats_ = std::max(bn_scratch_floats_, grid.scratch_floats(b.channels));
+    max_channels_ = std::max(max_channels_, b.channels);
+  }
+  bn_state_ = DeviceBuffer(state.size() * sizeof(float));
+  initial_bn_state_ = std::move(state);
+  bn_scratch_ = DeviceBuffer((bn_scratch_floats_ + 3 * size_t(max_channels_)) * sizeof(float));
+
+  std::vector<SgdTensor> sgd;
+  auto* master = static_cast<float*>(master_.get());
+  auto* momentum = static_cast<float*>(momentum_.get());
+  for (const Param& q : params_)
+    sgd.push_back({master + q.master, momentum + q.master, static_cast<char*>(grads_.get()) + q.grad,
+                   q.has_copy ? static_cast<char*>(copies_.get()) + q.copy : nullptr, q.n, q.grad_type,
+                   p.storage});
+  sgd_ = std::make_unique<Sgd>(sgd);
+}
+
+void ResNet50Train::reset() {
+  LADDER_CUDA(cudaStreamSynchronize(stream_));
+  LADDER_CUDA(cudaMemcpy(master_.get(), initial_master_.data(), master_.bytes(), cudaMemcpyHostToDevice));
+  if (!initial_copies_.empty())
+    LADDER_CUDA(cudaMemcpy(copies_.get(), initial_copies_.data(), copies_.bytes(), cudaMemcpyHostToDevice));
+  LADDER_CUDA(cudaMemcpy(bn_state_.get(), initial_bn_state_.data(), bn_state_.bytes(), cudaMemcpyHostToDevice));
+  LADDER_CUDA(cudaMemset(momentum_.get(), 0, momentum_.bytes()));
+  LADDER_CUDA(cudaMemset(count_, 0, sizeof(int)));
+}
+
+// Each convolution pass planned (tuned, or from the engine tables) on its real buffers; the classifier's three
+// products tuned; one workspace for all.
+void ResNet50Train::build_kernels(ladder::Json& stats) {
+  const Precision& p = o_.precision;
+  auto weights_of = [&](int q) -> void* {
+    const Param& w = params_[q];
+    return w.has_copy ? static_cast<char*>(copies_.get()) + w.copy
+                      : static_cast<void*>(static_cast<float*>(master_.get()) + w.master);
+  };
+  auto grad_of = [&](int q) -> void* { return static_cast<char*>(grads_.get()) + params_[q].grad; };
+  const double t0 = ladder::now_s();
+  size_t workspace = 0;
+  {
+    ConvPlanner planner(handle_, o_.engine(), stream_);
+    for (ConvUnit& u : convs_) {
+      auto make = [&](Pass pass, ConvIO io) {
+        const ConvSpec spec{u.shape, Epilogue::None, &o_.precision, true, pass};
+        return std::make_unique<ConvLayer>(u.name, spec, io, planner.plan(spec, io));
+      };
+      const void* w = weights_of(u.w);
+      u.fprop = make(Pass::Fprop, {tensors_[u.x].ptr, w, nullptr, nullptr, tensors_[u.y].ptr});
+      u.wgrad = make(Pass::Wgrad, {tensors_[u.x].ptr, grad_of(u.w), nullptr, nullptr, tensors_[u.dy].ptr});
+      if (u.dx >= 0) u.dgrad = make(Pass::Dgrad, {tensors_[u.dx].ptr, w, nullptr, nullptr, tensors_[u.dy].ptr});
+    }
+    const int in = tensors_[pooled_].c, n = o_.batch;
+    void *g = tensors_[pooled_].ptr, *dg = tensors_[dpooled_].ptr;
+    void *logits = tensors_[logits_].ptr, *dlogits = tensors_[dlogits_].ptr;
+    fc_forward_ = std::make_unique<Linear>(p, n, in, kClasses, weights_of(fc_w_), weights_of(fc_b_), g, logits,
+                                           planner.scratch(), stream_);
+    // dg[N, in] = dlogits[N, out] W[out, in]; dW[out, in] = dlogits^T g (column-major: dg^T = W^T' dlogits^T...).
+    fc_dgrad_ = std::make_unique<Gemm>(p, GemmShape{false, false, in, n, kClasses, in, kClasses, in},
+                                       weights_of(fc_w_), dlogits, dg, nullptr, planner.scratch(), stream_);
+    fc_wgrad_ = std::make_unique<Gemm>(p, GemmShape{false, true, in, kClasses, n, in, kClasses, in}, g, dlogits,
+                                       grad_of(fc_w_), nullptr, planner.scratch(), stream_);
+    workspace = std::max({planner.workspace(), fc_forward_->workspace(), fc_dgrad_->workspace(),
+                          fc_wgrad_->workspace()});
+    planner.report(stats);
+  }
+  stats["autotune_s"] = ladder::now_s() - t0;
+  if (workspace) workspace_ = DeviceBuffer(workspace);
+  for (ConvUnit& u : convs_)
+    for (ConvLayer* l : {u.fprop.get(), u.dgrad.get(), u.wgrad.get()})
+      if (l) l->bind(workspace_.get());
+  for (Gemm* g : {static_cast<Gemm*>(fc_forward_.get()), fc_dgrad_.get(), fc_wgrad_.get()}) g->bind(workspace_.get());
+
+  ladder::Json convs = ladder::Json::array();
+  for (const ConvUnit& u : convs_)
+    for (const ConvLayer* l : {u.fprop.get(), u.dgrad.get(), u.wgrad.get()}) {
+      if (!l) continue;
+      ladder::Json j = ladder::Json::object();
+      j["name"] = u.name;
+      j["pass"] = pass_name(l->spec().pass);
+      j["shape"] = u.shape.str();
+      for (auto& kv : l->plan().stats().obj) j[kv.first] = kv.second;
+      convs.push_back(j);
+    }
+  ladder::Json fc = ladder::Json::object();
+  fc["forward"] = fc_forward_->stats();
+  fc["dgrad"] = fc_dgrad_->stats();
+  fc["wgrad"] = fc_wgrad_->stats();
+  stats["layout"] = "NHWC";
+  stats["input_channels"] = c_in_;
+  stats["steps"] = int(steps_.size());
+  stats["convs"] = convs;
+  stats["fc"] = fc;
+  stats["batchnorm"] = "our kernels: Welford statistics, apply with residual add and ReLU fused; backward fused "
+                       "with ReLU's mask";
+  stats["optimizer"] = "SGD (momentum 0.9, weight decay 1e-4): one multi-tensor kernel, fp32 master weights";
+}
+
+void ResNet50Train::run(const Step& s) const {
+  const Precision& p = o_.precision;
+  auto ptr = [&](int t) { return t >= 0 ? tensors_[t].ptr : nullptr; };
+  auto* master = static_cast<float*>(master_.get());
+  auto* scratch = static_cast<float*>(bn_scratch_.get());
+  const float one = 1.f, zero = 0.f;
+  switch (s.kind) {
+    case Kind::ConvFprop: convs_[s.unit].fprop->run(handle_, stream_); break;
+    case Kind::ConvDgrad: convs_[s.unit].dgrad->run(handle_, stream_); break;
+    case Kind::ConvWgrad: convs_[s.unit].wgrad->run(handle_, stream_); break;
+    case Kind::BnForward:
+    case Kind::BnBackward: {
+      const BnUnit& b = bns_[s.unit];
+      const Tensor& a = tensors_[b.x];
+      const int64_t rows = int64_t(o_.batch) * a.h * a.w;
+      float* state = static_cast<float*>(bn_state_.get()) + b.state;
+      const float* gamma = master + params_[b.gamma].master;
+      const BnGrid grid = BnGrid::for_shape(rows, b.channels);
+      if (s.kind == Kind::BnForward) {
+        bn_forward(a.ptr, ptr(b.z), ptr(b.y), b.relu, p.storage, rows, b.channels, gamma,
+                   master + params_[b.beta].master, state, state + b.channels, kBnMomentum, float(kBnEps),
+                   state + 2 * b.channels, state + 3 * b.channels, scratch + bn_scratch_floats_, scratch, grid,
+                   stream_);
+      } else {
+        auto* grads = static_cast<char*>(grads_.get());
+        rung::bn_backward(ptr(b.dy), b.relu ? ptr(b.y) : nullptr, a.ptr, ptr(b.dx), ptr(b.dz), b.relu, p.storage, rows,
+                    b.channels, gamma, state + 2 * b.channels, state + 3 * b.channels,
+                    reinterpret_cast<float*>(grads + params_[b.gamma].grad),
+                    reinterpret_cast<float*>(grads + params_[b.beta].grad), scratch + bn_scratch_floats_, scratch,
+                    grid, stream_);
+      }
+      break;
+    }
+    case Kind::PoolForward: {
+      const PoolUnit& u = *pools_[s.unit];
+      CUDNN_CHECK(cudnnPoolingForward(handle_, u.desc, &one, u.x, ptr(u.input), &zero, u.y, ptr(u.output)));
+      break;
+    }
+    case Kind::PoolBackward: {
+      const PoolUnit& u = *pools_[s.unit];
+      CUDNN_CHECK(cudnnPoolingBackward(handle_, u.desc, &one, u.y, ptr(u.output), u.y, ptr(u.doutput), u.x,
+                                       ptr(u.input), &zero, u.x, ptr(u.dinput)));
+      break;
+    }
+    case Kind::FcForward: fc_forward_->run(stream_); break;
+    case Kind::FcDgrad: fc_dgrad_->run(stream_); break;
+    case Kind::FcWgrad: fc_wgrad_->run(stream_); break;
+    case Kind::FcBias:
+      column_sum(ptr(dlogits_), static_cast<char*>(grads_.get()) + params_[fc_b_].grad, p.storage, o_.batch, kClasses,
+                 stream_);
+      break;
+    case Kind::Loss:
+      cross_entropy(ptr(logits_), ptr(dlogits_), p.storage, o_.batch, kClasses, row_loss_,
+                    static_cast<float*>(loss_.get()), history_, count_, kLossHistory, stream_);
+      break;
+    case Kind::Add: {
+      const auto& a = adds_[s.unit];
+      const Tensor& t = tensors_[a[2]];
+      rung::add(ptr(a[0]), ptr(a[1]), ptr(a[2]), p.storage, size_t(o_.batch) * t.c * t.h * t.w, stream_);
+      break;
+    }
+    case Kind::Sgd: sgd_->step(lr_, kSgdMomentum, kWeightDecay, stream_); break;
+  }
+}
+
+void ResNet50Train::issue() const {
+  for (const Step& s : steps_) run(s);
+}
+
+ladder::TensorMap ResNet50Train::result(int steps) const {
+  if (steps > kLossHistory) throw std::runtime_error("at most " + std::to_string(kLossHistory) + " parity steps");
+  LADDER_CUDA(cudaStreamSynchronize(stream_));
+  auto download = [](const DeviceBuffer& b) {
+    std::vector<float> host(b.bytes() / sizeof(float));
+    LADDER_CUDA(cudaMemcpy(host.data(), b.get(), host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return host;
+  };
+  ladder::TensorMap out;
+  std::vector<float> losses(steps);
+  LADDER_CUDA(cudaMemcpy(losses.data(), history_, steps * sizeof(float), cudaMemcpyDeviceToHost));
+  out["loss"] = {{steps}, losses};
+  const std::vector<float> master = download(master_), state = download(bn_state_);
+  for (const Param& q : params_) {
+    ladder::HostTensor t{q.shape, {}};
+    if (q.padded_channels) {  // KRSC, padded -> PyTorch's KCRS
+      const int64_t k = q.shape[0], c = q.shape[1], r = q.shape[2], cp = q.padded_channels;
+      t.data.resize(k * c * r * r);
+      for (int64_t o = 0; o < k; ++o)
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t y = 0; y < r; ++y)
+            for (int64_t x = 0; x < r; ++x)
+              t.data[((o * c + i) * r + y) * r + x] = master[q.master + ((o * r + y) * r + x) * cp + i];
+    } else {
+      t.data.assign(master.begin() + q.master, master.begin() + q.master + q.n);
+    }
+    out["param." + q.name] = std::move(t);
+  }
+  for (const BnUnit& b : bns_) {
+    const auto at = state.begin() + b.state;
+    out["buffer." + b.name + ".running_mean"] = {{b.channels}, {at, at + b.channels}};
+    out["buffer." + b.name + ".running_var"] = {{b.channels}, {at + b.channels, at + 2 * b.channels}};
+  }
+  return out;
+}
+
+void ResNet50Train::report_memory(ladder::Json& memory) const {
+  memory["weights_bytes"] = static_cast<unsigned long long>(master_.bytes() + copies_.bytes());
+  memory["gradient_bytes"] = static_cast<unsigned long long>(grads_.bytes());
+  memory["optimizer_state_bytes"] = static_cast<unsigned long long>(momentum_.bytes());
+  memory["activation_bytes"] = static_cast<unsigned long long>(activations_.bytes());
+  memory["workspace_bytes"] = static_cast<unsigned long long>(workspace_.bytes() + bn_scratch_.bytes());
+  memory["batchnorm_state_bytes"] = static_cast<unsigned long long>(bn_state_.bytes());
+  memory["io_bytes"] = static_cast<unsigned long long>(input_.bytes() + loss_.bytes());
+}
+
+std::string ResNet50Train::step_name(const Step& s) const {
+  switch (s.kind) {
+    case Kind::ConvFprop: case Kind::ConvDgrad: case Kind::ConvWgrad: return convs_[s.unit].name;
+    case Kind::BnForward: case Kind::BnBackward: return bns_[s.unit].name;
+    case Kind::PoolForward: case Kind::PoolBackward: return s.unit == 0 ? "maxpool" : "avgpool";
+    case Kind::FcForward: case Kind::FcDgrad: case Kind::FcWgrad: case Kind::FcBias: return "fc";
+    case Kind::Loss: return "loss";
+    case Kind::Add: return "residual-grad-sum";
+    case Kind::Sgd: return "sgd";
+  }
+  return "?";
+}
+
+ladder::Json ResNet50Train::micro(int reps) const {
+  static const char* const passes[] = {"forward", "dgrad", "wgrad", "forward", "backward", "forward", "backward",
+                                       "forward", "dgrad", "wgrad", "bias-grad", "forward+backward", "backward",
+                                       "update"};
+  ladder::Json list = ladder::Json::array();
+  issue();  // every buffer holds a real step's values
+  for (const Step& s : steps_) {
+    ladder::Json j = ladder::Json::object();
+    j["layer"] = step_name(s);
+    j["pass"] = passes[int(s.kind)];
+    const double ms = median_ms(stream_, [&] { run(s); }, reps, 3);
+    j["median_ms"] = ms;
+    double flops = 0;
+    const ConvLayer* layer = nullptr;
+    switch (s.kind) {
+      case Kind::ConvFprop: layer = convs_[s.unit].fprop.get(); break;
+      case Kind::ConvDgrad: layer = convs_[s.unit].dgrad.get(); break;
+      case Kind::ConvWgrad: layer = convs_[s.unit].wgrad.get(); break;
+      case Kind::FcForward: flops = fc_forward_->flops(); break;
+      case Kind::FcDgrad: flops = fc_dgrad_->flops(); break;
+      case Kind::FcWgrad: flops = fc_wgrad_->flops(); break;
+      default: break;
+    }
+    if (layer) {
+      flops = layer->spec().shape.flops();
+      j["shape"] = layer->spec().shape.str();
+      for (auto& kv : layer->plan().stats().obj) j[kv.first] = kv.second;
+    }
+    j["tflops"] = flops > 0 ? ladder::Json(flops / (ms * 1e-3) / 1e12) : ladder::Json();
+    j["dtype"] = o_.precision.name;
+    list.push_back(j);
+  }
+  return list;
+}
+
+}  // namespace rung
