@@ -2,7 +2,7 @@
 capture, every timed pass), on a small cell with a minimal protocol: memcheck slows each kernel by orders of
 magnitude. The child's command line is the runner's own (harness.contract.contract_argv). Exits 1 on any error.
 
-    python3 bench/sanitize_cudnn.py [--batch 2 --res 64 --dtype bf16]
+    python3 bench/sanitize_cudnn.py [--batch 2 --res 64 --dtype bf16 --task infer|train]
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--res", type=int, default=64)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--task", choices=("infer", "train"), default="infer")
     a = ap.parse_args()
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not Path(sanitizer).exists():
         print("compute-sanitizer: not found", flush=True)
         return 1
     cell = Cell(tier="cudnn", batch=a.batch, res=a.res, dtype=a.dtype, channels_last=True, cuda_graph=True,
-                options=(("autotune", "1"),))
+                options=(("autotune", "1"),), task=a.task)
     with tempfile.TemporaryDirectory() as tmp:
         files = {k: Path(tmp) / f"{k}.{'json' if k == 'result' else 'safetensors'}"
                  for k in ("weights", "input", "output", "result")}
