@@ -1,9 +1,12 @@
 // One memory plan for a sequence of steps on one stream: each tensor a step writes takes a buffer whose previous
 // tenant is dead (last read by an earlier step), the smallest that fits, else the largest free one grown; a new
-// buffer only when none is free. A step's outputs never share with its inputs, so no kernel reads what it overwrites.
+// buffer only when none is free. A step's outputs never share with its inputs, so no kernel reads what it
+// overwrites, except where the step says that it works in place (each element read before it is written, by the
+// same thread) and the input dies there.
 #pragma once
 #include <algorithm>
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 namespace rung {
@@ -15,7 +18,8 @@ struct MemoryPlan {
 };
 
 struct PlannedStep {
-  std::vector<int> reads, writes;  // tensor indices
+  std::vector<int> reads, writes;                 // tensor indices
+  std::vector<std::pair<int, int>> in_place = {};  // (output, input) pairs the step may compute in place
 };
 
 // bytes[t] == 0: tensor t lives elsewhere (the input, a parameter) and takes no buffer.
@@ -33,6 +37,13 @@ inline MemoryPlan plan_memory(const std::vector<size_t>& bytes, const std::vecto
       if (bytes[out] == 0 || home[out] >= 0) continue;
       const size_t need = bytes[out];
       int pick = -1;
+      for (const auto& [o, in] : steps[i].in_place)
+        if (o == out && home[in] >= 0 && last_use[in] == int(i) && buffers[home[in]].bytes >= need) pick = home[in];
+      if (pick >= 0) {
+        buffers[pick].tenant = out;
+        home[out] = pick;
+        continue;
+      }
       for (int j = 0; j < int(buffers.size()); ++j) {
         if (buffers[j].tenant >= 0 && last_use[buffers[j].tenant] >= int(i)) continue;  // still live
         if (pick < 0) { pick = j; continue; }

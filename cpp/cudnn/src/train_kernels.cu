@@ -7,9 +7,6 @@
 namespace rung {
 namespace {
 
-// BatchNorm's reductions: a block is 32 channels (one per lane: a warp reads 32 neighbouring channels of a row) x 8
-// row lanes; blockIdx.y picks one of `groups` interleaved sets of rows.
-constexpr int kLanes = 32, kRowLanes = 8;
 // Vectorised elementwise passes: 8 neighbouring channels per thread (16 bytes in 16 bits); every channel count of
 // ResNet-50 is a multiple of 8 and every buffer 256-byte aligned.
 constexpr int kVec = 8;
@@ -29,30 +26,49 @@ __host__ __device__ void combine(F& n, F& mean, F& m2, F nb, F mb, F m2b) {
   n = total;
 }
 
+// BatchNorm's reductions, vectorised as the elementwise passes: a thread holds 8 neighbouring channels (one 16-byte
+// load per row in 16 bits), the C / 8 threads of a row are neighbours, and a block of kThreads covers kThreads / (C /
+// 8) rows at a time; blockIdx.x picks one of gridDim.x interleaved sets of rows. Every ResNet-50 channel count divides
+// 8 * kThreads into whole rows.
+struct RowTiling {
+  int lanes, rows;  // threads per row, rows per block step
+  __device__ explicit RowTiling(int channels) : lanes(channels / kVec), rows(blockDim.x / (channels / kVec)) {}
+};
+
 template <typename T>
 __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __restrict__ partial) {
-  const int c = blockIdx.x * kLanes + threadIdx.x;
-  float n = 0, mean = 0, m2 = 0;
-  if (c < channels)
-    for (int64_t r = int64_t(blockIdx.y) * kRowLanes + threadIdx.y; r < rows; r += int64_t(gridDim.y) * kRowLanes) {
-      const float v = to_float(x[r * channels + c]);
-      n += 1;
-      const float d = v - mean;
-      mean += d / n;
-      m2 += d * (v - mean);
+  const RowTiling tile(channels);
+  const int lane = threadIdx.x % tile.lanes, sub = threadIdx.x / tile.lanes;
+  float n = 0, mean[kVec] = {}, m2[kVec] = {};
+  for (int64_t r = int64_t(blockIdx.x) * tile.rows + sub; r < rows; r += int64_t(gridDim.x) * tile.rows) {
+    const Pack<T> v = reinterpret_cast<const Pack<T>*>(x + r * channels)[lane];
+    n += 1;
+    const float inv = 1.f / n;  // Welford, one division per row for the thread's 8 channels
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float d = to_float(v.v[j]) - mean[j];
+      mean[j] += d * inv;
+      m2[j] += d * (to_float(v.v[j]) - mean[j]);
     }
-  __shared__ float sn[kRowLanes][kLanes], smean[kRowLanes][kLanes], sm2[kRowLanes][kLanes];
-  sn[threadIdx.y][threadIdx.x] = n;
-  smean[threadIdx.y][threadIdx.x] = mean;
-  sm2[threadIdx.y][threadIdx.x] = m2;
+  }
+  // The block's rows of each channel combined (Chan), in shared memory: [thread][channel of the thread].
+  __shared__ float sn[kThreads], smean[kThreads][kVec], sm2[kThreads][kVec];
+  sn[threadIdx.x] = n;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) smean[threadIdx.x][j] = mean[j], sm2[threadIdx.x][j] = m2[j];
   __syncthreads();
-  if (threadIdx.y != 0 || c >= channels) return;
-  for (int i = 1; i < kRowLanes; ++i)
-    combine(n, mean, m2, sn[i][threadIdx.x], smean[i][threadIdx.x], sm2[i][threadIdx.x]);
-  float* out = partial + (size_t(blockIdx.y) * channels + c) * 3;
-  out[0] = n;
-  out[1] = mean;
-  out[2] = m2;
+  if (sub != 0) return;
+  for (int j = 0; j < kVec; ++j) {
+    float cn = sn[lane], cmean = smean[lane][j], cm2 = sm2[lane][j];
+    for (int i = 1; i < tile.rows; ++i) {
+      const int t = i * tile.lanes + lane;
+      combine(cn, cmean, cm2, sn[t], smean[t][j], sm2[t][j]);
+    }
+    float* out = partial + (size_t(blockIdx.x) * channels + lane * kVec + j) * 3;
+    out[0] = cn;
+    out[1] = cmean;
+    out[2] = cm2;
+  }
 }
 
 __global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups, int channels, const float* gamma,
@@ -94,37 +110,38 @@ __global__ void bn_apply_kernel(const T* __restrict__ x, const T* __restrict__ z
 }
 
 template <typename T>
-__device__ float masked_grad(const T* dy, const T* y, bool relu, size_t i) {
-  return relu && to_float(y[i]) <= 0.f ? 0.f : to_float(dy[i]);  // ReLU's gradient from its output, as PyTorch
-}
-
-template <typename T>
 __global__ void bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                                     bool relu, int64_t rows, int channels, const float* __restrict__ save_mean,
                                     const float* __restrict__ save_invstd, float* __restrict__ partial) {
-  const int c = blockIdx.x * kLanes + threadIdx.x;
-  float sum = 0, dot = 0;
-  if (c < channels) {
-    const float mean = save_mean[c], invstd = save_invstd[c];
-    for (int64_t r = int64_t(blockIdx.y) * kRowLanes + threadIdx.y; r < rows; r += int64_t(gridDim.y) * kRowLanes) {
-      const size_t i = size_t(r) * channels + c;
-      const float d = masked_grad(dy, y, relu, i);
-      sum += d;
-      dot += d * (to_float(x[i]) - mean) * invstd;
+  const RowTiling tile(channels);
+  const int lane = threadIdx.x % tile.lanes, sub = threadIdx.x / tile.lanes;
+  float mean[kVec], invstd[kVec], sum[kVec] = {}, dot[kVec] = {};
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) mean[j] = save_mean[lane * kVec + j], invstd[j] = save_invstd[lane * kVec + j];
+  for (int64_t r = int64_t(blockIdx.x) * tile.rows + sub; r < rows; r += int64_t(gridDim.x) * tile.rows) {
+    const size_t at = size_t(r) * channels / kVec + lane;
+    const Pack<T> g = reinterpret_cast<const Pack<T>*>(dy)[at], in = reinterpret_cast<const Pack<T>*>(x)[at];
+    Pack<T> out{};
+    if (relu) out = reinterpret_cast<const Pack<T>*>(y)[at];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float d = relu && to_float(out.v[j]) <= 0.f ? 0.f : to_float(g.v[j]);  // ReLU's gradient, from its output
+      sum[j] += d;
+      dot[j] += d * (to_float(in.v[j]) - mean[j]) * invstd[j];
     }
   }
-  __shared__ float ssum[kRowLanes][kLanes], sdot[kRowLanes][kLanes];
-  ssum[threadIdx.y][threadIdx.x] = sum;
-  sdot[threadIdx.y][threadIdx.x] = dot;
+  __shared__ float ssum[kThreads][kVec], sdot[kThreads][kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) ssum[threadIdx.x][j] = sum[j], sdot[threadIdx.x][j] = dot[j];
   __syncthreads();
-  if (threadIdx.y != 0 || c >= channels) return;
-  for (int i = 1; i < kRowLanes; ++i) {
-    sum += ssum[i][threadIdx.x];
-    dot += sdot[i][threadIdx.x];
+  if (sub != 0) return;
+  for (int j = 0; j < kVec; ++j) {
+    float s = 0, d = 0;
+    for (int i = 0; i < tile.rows; ++i) s += ssum[i * tile.lanes + lane][j], d += sdot[i * tile.lanes + lane][j];
+    float* out = partial + (size_t(blockIdx.x) * channels + lane * kVec + j) * 3;
+    out[0] = s;
+    out[1] = d;
   }
-  float* out = partial + (size_t(blockIdx.y) * channels + c) * 3;
-  out[0] = sum;
-  out[1] = dot;
 }
 
 __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int groups, int channels, int64_t rows,
@@ -145,8 +162,7 @@ __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int g
 }
 
 template <typename T>
-__global__ void bn_grad_apply_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
-                                     T* __restrict__ dx, T* __restrict__ dz, bool relu, size_t packs, int channels,
+__global__ void bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz, bool relu, size_t packs, int channels,
                                      const float* __restrict__ save_mean, const float* __restrict__ save_invstd,
                                      const float* __restrict__ coef) {
   const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
@@ -165,6 +181,52 @@ __global__ void bn_grad_apply_kernel(const T* __restrict__ dy, const T* __restri
   }
   reinterpret_cast<Pack<T>*>(dx)[i] = dout;
   if (dz) reinterpret_cast<Pack<T>*>(dz)[i] = masked;
+}
+
+// Max pooling's backward as a gather, 8 channels per thread: each input position sums the gradients of the outputs
+// whose window chose it, the first maximum in scan order as PyTorch's max_pool2d (which matters for ties: after a
+// ReLU, whole windows of zeros). Deterministic, no atomics.
+template <typename T>
+__global__ void maxpool_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx, int n,
+                                        int h, int w, int channels, int oh, int ow, int window, int stride, int pad) {
+  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  const int lanes = channels / kVec;
+  if (i >= size_t(n) * h * w * lanes) return;
+  const int lane = int(i % lanes);
+  const size_t pixel = i / lanes;
+  const int ix = int(pixel % w), iy = int(pixel / w % h), b = int(pixel / (size_t(w) * h));
+  const Pack<T>* in = reinterpret_cast<const Pack<T>*>(x) + size_t(b) * h * w * lanes + lane;
+  const Pack<T>* grad = reinterpret_cast<const Pack<T>*>(dy) + size_t(b) * oh * ow * lanes + lane;
+  float acc[kVec] = {};
+  const int oy0 = max(0, (iy + pad - window + stride) / stride), oy1 = min(oh - 1, (iy + pad) / stride);
+  const int ox0 = max(0, (ix + pad - window + stride) / stride), ox1 = min(ow - 1, (ix + pad) / stride);
+  for (int oy = oy0; oy <= oy1; ++oy)
+    for (int ox = ox0; ox <= ox1; ++ox) {
+      float best[kVec];
+      int arg[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) best[j] = -INFINITY, arg[j] = -1;
+      for (int ky = 0; ky < window; ++ky) {
+        const int yy = oy * stride - pad + ky;
+        if (yy < 0 || yy >= h) continue;
+        for (int kx = 0; kx < window; ++kx) {
+          const int xx = ox * stride - pad + kx;
+          if (xx < 0 || xx >= w) continue;
+          const Pack<T> v = in[(size_t(yy) * w + xx) * lanes];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (to_float(v.v[j]) > best[j]) best[j] = to_float(v.v[j]), arg[j] = yy * w + xx;
+        }
+      }
+      const Pack<T> g = grad[(size_t(oy) * ow + ox) * lanes];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (arg[j] == iy * w + ix) acc[j] += to_float(g.v[j]);
+    }
+  Pack<T> out;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(acc[j]);
+  reinterpret_cast<Pack<T>*>(dx)[i] = out;
 }
 
 // Sum of a block's values, for every thread (blockDim.x a multiple of 32, at most 1024).
@@ -232,7 +294,7 @@ __global__ void column_sum_kernel(const T* __restrict__ dy, T* __restrict__ db, 
 }
 
 template <typename T>
-__global__ void add_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, size_t packs) {
+__global__ void add_kernel(const T* a, const T* __restrict__ b, T* out, size_t packs) {  // out may be a
   const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
   if (i >= packs) return;
   const Pack<T> x = reinterpret_cast<const Pack<T>*>(a)[i], y = reinterpret_cast<const Pack<T>*>(b)[i];
@@ -284,22 +346,21 @@ unsigned packs_blocks(size_t packs) { return blocks_for(packs); }
 }  // namespace
 
 BnGrid BnGrid::for_shape(int64_t rows, int channels) {
-  // About 8 blocks per SM of an H100 in all, and at least 16 rows per thread.
-  const int tiles = (channels + kLanes - 1) / kLanes;
-  const int64_t by_rows = std::max<int64_t>(1, rows / (kRowLanes * 16));
-  return {int(std::max<int64_t>(1, std::min<int64_t>(by_rows, std::max(1, 1056 / tiles))))};
+  // About 4 blocks per SM of an H100, and at least 8 rows per thread.
+  const int64_t rows_per_step = kThreads / (channels / kVec);
+  return {int(std::max<int64_t>(1, std::min<int64_t>(rows / (rows_per_step * 8), 528)))};
 }
 
 void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
                 const float* gamma, const float* beta, float* running_mean, float* running_var, float momentum,
                 float eps, float* save_mean, float* save_invstd, float* scale_shift, float* scratch, BnGrid grid,
                 cudaStream_t stream) {
-  if (channels % kVec) throw std::runtime_error("BatchNorm kernels need channels in multiples of 8");
-  const dim3 block(kLanes, kRowLanes), blocks((channels + kLanes - 1) / kLanes, grid.groups);
+  if (channels % kVec || kThreads % (channels / kVec))
+    throw std::runtime_error("BatchNorm kernels need 8 x a divisor of " + std::to_string(kThreads) + " channels");
   const size_t packs = size_t(rows) * channels / kVec;
   with_type(st, [&](auto t) {
     using T = decltype(t);
-    bn_stats_kernel<T><<<blocks, block, 0, stream>>>(static_cast<const T*>(x), rows, channels, scratch);
+    bn_stats_kernel<T><<<grid.groups, kThreads, 0, stream>>>(static_cast<const T*>(x), rows, channels, scratch);
     bn_finalize_kernel<<<(channels + 127) / 128, 128, 0, stream>>>(scratch, grid.groups, channels, gamma, beta,
                                                                    running_mean, running_var, momentum, eps,
                                                                    save_mean, save_invstd, scale_shift);
@@ -312,11 +373,10 @@ void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, in
 void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* dz, bool relu, Storage st,
                  int64_t rows, int channels, const float* gamma, const float* save_mean, const float* save_invstd,
                  float* dgamma, float* dbeta, float* coef, float* scratch, BnGrid grid, cudaStream_t stream) {
-  const dim3 block(kLanes, kRowLanes), blocks((channels + kLanes - 1) / kLanes, grid.groups);
   const size_t packs = size_t(rows) * channels / kVec;
   with_type(st, [&](auto t) {
     using T = decltype(t);
-    bn_grad_sums_kernel<T><<<blocks, block, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(y),
+    bn_grad_sums_kernel<T><<<grid.groups, kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(y),
                                                          static_cast<const T*>(x), relu, rows, channels, save_mean,
                                                          save_invstd, scratch);
     bn_grad_finalize_kernel<<<(channels + 127) / 128, 128, 0, stream>>>(scratch, grid.groups, channels, rows, gamma,
@@ -336,6 +396,19 @@ void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int
                                                             batch, classes, row_loss);
   });
   loss_mean_kernel<<<1, kThreads, 0, stream>>>(row_loss, batch, last_loss, history, count, capacity);
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void maxpool_backward(const void* x, const void* dy, void* dx, Storage st, int n, int h, int w, int channels,
+                      int window, int stride, int pad, cudaStream_t stream) {
+  if (channels % kVec) throw std::runtime_error("max pooling's backward needs channels in multiples of 8");
+  const int oh = (h + 2 * pad - window) / stride + 1, ow = (w + 2 * pad - window) / stride + 1;
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    maxpool_backward_kernel<T><<<blocks_for(size_t(n) * h * w * channels / kVec), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, h, w, channels, oh, ow, window,
+        stride, pad);
+  });
   LADDER_CUDA(cudaGetLastError());
 }
 

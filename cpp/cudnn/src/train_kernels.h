@@ -1,5 +1,5 @@
 // The CUDA of our own that the training step needs besides cuDNN and cuBLASLt: BatchNorm in training mode (forward
-// and backward, ReLU and the residual add fused into them), the loss, the classifier's bias gradient, a gradient sum,
+// and backward, ReLU and the residual add fused into them), max pooling's backward, the loss, the classifier's bias gradient, a gradient sum,
 // and SGD over every parameter in one launch. Activations are NHWC, seen as [rows = N*H*W, C]; every statistic and
 // sum is fp32 (per-thread Welford, combined in fp64), whatever the storage type.
 #pragma once
@@ -26,6 +26,7 @@ void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, in
 
 // Backward from dy (the gradient of y): dy' = dy masked where y <= 0 (with relu); dz = dy' where the forward added z;
 // dgamma = sum(dy' * xhat), dbeta = sum(dy'); dx = gamma * invstd * (dy' - mean(dy') - xhat * mean(dy' * xhat)).
+// dx may be dy (in place).
 void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* dz, bool relu, Storage st,
                  int64_t rows, int channels, const float* gamma, const float* save_mean, const float* save_invstd,
                  float* dgamma, float* dbeta, float* coef, float* scratch, BnGrid grid, cudaStream_t stream);
@@ -36,10 +37,15 @@ void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* d
 void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int classes, float* row_loss,
                    float* last_loss, float* history, int* count, int capacity, cudaStream_t stream);
 
+// Max pooling's backward (NHWC; x the forward's input): each input gets the gradients of the outputs whose window
+// chose it, the first maximum in scan order as PyTorch's max_pool2d.
+void maxpool_backward(const void* x, const void* dy, void* dx, Storage st, int n, int h, int w, int channels,
+                      int window, int stride, int pad, cudaStream_t stream);
+
 // db[j] = sum over the batch of dy[i, j] (the classifier's bias gradient), in the storage type.
 void column_sum(const void* dy, void* db, Storage st, int batch, int classes, cudaStream_t stream);
 
-// out = a + b (a residual's two gradients).
+// out = a + b (a residual's two gradients); out may be a.
 void add(const void* a, const void* b, void* out, Storage st, size_t n, cudaStream_t stream);
 
 // One parameter for SGD: fp32 master weights and momentum, its gradient (fp32 or the storage type), and the
