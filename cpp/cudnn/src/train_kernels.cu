@@ -74,13 +74,18 @@ __global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int chann
 __global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups, int channels, const float* gamma,
                                    const float* beta, float* running_mean, float* running_var, float momentum,
                                    float eps, float* save_mean, float* save_invstd, float* scale_shift) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  // One warp per channel: each lane combines a share of the groups, then the lanes combine pairwise.
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
   if (c >= channels) return;
   double n = 0, mean = 0, m2 = 0;
-  for (int g = 0; g < groups; ++g) {
+  for (int g = lane; g < groups; g += 32) {
     const float* p = partial + (size_t(g) * channels + c) * 3;
     combine<double>(n, mean, m2, p[0], p[1], p[2]);
   }
+  for (int o = 16; o > 0; o >>= 1)
+    combine(n, mean, m2, __shfl_xor_sync(0xffffffffu, n, o), __shfl_xor_sync(0xffffffffu, mean, o),
+            __shfl_xor_sync(0xffffffffu, m2, o));
+  if (lane != 0) return;
   const double invstd = 1.0 / sqrt(m2 / n + eps);  // normalised with the biased variance
   save_mean[c] = float(mean);
   save_invstd[c] = float(invstd);
@@ -147,13 +152,18 @@ __global__ void bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restric
 __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int groups, int channels, int64_t rows,
                                         const float* gamma, const float* save_invstd, float* dgamma, float* dbeta,
                                         float* coef) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;  // a warp per channel
   if (c >= channels) return;
   double sum = 0, dot = 0;
-  for (int g = 0; g < groups; ++g) {
+  for (int g = lane; g < groups; g += 32) {
     sum += partial[(size_t(g) * channels + c) * 3];
     dot += partial[(size_t(g) * channels + c) * 3 + 1];
   }
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  }
+  if (lane != 0) return;
   dbeta[c] = float(sum);
   dgamma[c] = float(dot);
   coef[c] = gamma[c] * save_invstd[c];
@@ -181,52 +191,6 @@ __global__ void bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const
   }
   reinterpret_cast<Pack<T>*>(dx)[i] = dout;
   if (dz) reinterpret_cast<Pack<T>*>(dz)[i] = masked;
-}
-
-// Max pooling's backward as a gather, 8 channels per thread: each input position sums the gradients of the outputs
-// whose window chose it, the first maximum in scan order as PyTorch's max_pool2d (which matters for ties: after a
-// ReLU, whole windows of zeros). Deterministic, no atomics.
-template <typename T>
-__global__ void maxpool_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx, int n,
-                                        int h, int w, int channels, int oh, int ow, int window, int stride, int pad) {
-  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  const int lanes = channels / kVec;
-  if (i >= size_t(n) * h * w * lanes) return;
-  const int lane = int(i % lanes);
-  const size_t pixel = i / lanes;
-  const int ix = int(pixel % w), iy = int(pixel / w % h), b = int(pixel / (size_t(w) * h));
-  const Pack<T>* in = reinterpret_cast<const Pack<T>*>(x) + size_t(b) * h * w * lanes + lane;
-  const Pack<T>* grad = reinterpret_cast<const Pack<T>*>(dy) + size_t(b) * oh * ow * lanes + lane;
-  float acc[kVec] = {};
-  const int oy0 = max(0, (iy + pad - window + stride) / stride), oy1 = min(oh - 1, (iy + pad) / stride);
-  const int ox0 = max(0, (ix + pad - window + stride) / stride), ox1 = min(ow - 1, (ix + pad) / stride);
-  for (int oy = oy0; oy <= oy1; ++oy)
-    for (int ox = ox0; ox <= ox1; ++ox) {
-      float best[kVec];
-      int arg[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) best[j] = -INFINITY, arg[j] = -1;
-      for (int ky = 0; ky < window; ++ky) {
-        const int yy = oy * stride - pad + ky;
-        if (yy < 0 || yy >= h) continue;
-        for (int kx = 0; kx < window; ++kx) {
-          const int xx = ox * stride - pad + kx;
-          if (xx < 0 || xx >= w) continue;
-          const Pack<T> v = in[(size_t(yy) * w + xx) * lanes];
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            if (to_float(v.v[j]) > best[j]) best[j] = to_float(v.v[j]), arg[j] = yy * w + xx;
-        }
-      }
-      const Pack<T> g = grad[(size_t(oy) * ow + ox) * lanes];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        if (arg[j] == iy * w + ix) acc[j] += to_float(g.v[j]);
-    }
-  Pack<T> out;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(acc[j]);
-  reinterpret_cast<Pack<T>*>(dx)[i] = out;
 }
 
 // Sum of a block's values, for every thread (blockDim.x a multiple of 32, at most 1024).
@@ -346,9 +310,9 @@ unsigned packs_blocks(size_t packs) { return blocks_for(packs); }
 }  // namespace
 
 BnGrid BnGrid::for_shape(int64_t rows, int channels) {
-  // About 4 blocks per SM of an H100, and at least 8 rows per thread.
+  // About 4 blocks per SM of an H100, and at least 32 rows per thread (fewer partials to combine).
   const int64_t rows_per_step = kThreads / (channels / kVec);
-  return {int(std::max<int64_t>(1, std::min<int64_t>(rows / (rows_per_step * 8), 528)))};
+  return {int(std::max<int64_t>(1, std::min<int64_t>(rows / (rows_per_step * 32), 528)))};
 }
 
 void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
@@ -361,7 +325,7 @@ void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, in
   with_type(st, [&](auto t) {
     using T = decltype(t);
     bn_stats_kernel<T><<<grid.groups, kThreads, 0, stream>>>(static_cast<const T*>(x), rows, channels, scratch);
-    bn_finalize_kernel<<<(channels + 127) / 128, 128, 0, stream>>>(scratch, grid.groups, channels, gamma, beta,
+    bn_finalize_kernel<<<(channels + 7) / 8, kThreads, 0, stream>>>(scratch, grid.groups, channels, gamma, beta,
                                                                    running_mean, running_var, momentum, eps,
                                                                    save_mean, save_invstd, scale_shift);
     bn_apply_kernel<T><<<packs_blocks(packs), kThreads, 0, stream>>>(
@@ -379,7 +343,7 @@ void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* d
     bn_grad_sums_kernel<T><<<grid.groups, kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(y),
                                                          static_cast<const T*>(x), relu, rows, channels, save_mean,
                                                          save_invstd, scratch);
-    bn_grad_finalize_kernel<<<(channels + 127) / 128, 128, 0, stream>>>(scratch, grid.groups, channels, rows, gamma,
+    bn_grad_finalize_kernel<<<(channels + 7) / 8, kThreads, 0, stream>>>(scratch, grid.groups, channels, rows, gamma,
                                                                         save_invstd, dgamma, dbeta, coef);
     bn_grad_apply_kernel<T><<<packs_blocks(packs), kThreads, 0, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), static_cast<T*>(dx),
@@ -396,19 +360,6 @@ void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int
                                                             batch, classes, row_loss);
   });
   loss_mean_kernel<<<1, kThreads, 0, stream>>>(row_loss, batch, last_loss, history, count, capacity);
-  LADDER_CUDA(cudaGetLastError());
-}
-
-void maxpool_backward(const void* x, const void* dy, void* dx, Storage st, int n, int h, int w, int channels,
-                      int window, int stride, int pad, cudaStream_t stream) {
-  if (channels % kVec) throw std::runtime_error("max pooling's backward needs channels in multiples of 8");
-  const int oh = (h + 2 * pad - window) / stride + 1, ow = (w + 2 * pad - window) / stride + 1;
-  with_type(st, [&](auto t) {
-    using T = decltype(t);
-    maxpool_backward_kernel<T><<<blocks_for(size_t(n) * h * w * channels / kVec), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, h, w, channels, oh, ow, window,
-        stride, pad);
-  });
   LADDER_CUDA(cudaGetLastError());
 }
 

@@ -1,5 +1,5 @@
 // The CUDA of our own that the training step needs besides cuDNN and cuBLASLt: BatchNorm in training mode (forward
-// and backward, ReLU and the residual add fused into them), max pooling's backward, the loss, the classifier's bias gradient, a gradient sum,
+// and backward, ReLU and the residual add fused into them), the loss, the classifier's bias gradient, a gradient sum,
 // and SGD over every parameter in one launch. Activations are NHWC, seen as [rows = N*H*W, C]; every statistic and
 // sum is fp32 (per-thread Welford, combined in fp64), whatever the storage type.
 #pragma once
@@ -36,11 +36,6 @@ void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* d
 // to history[*count] (then *count advances: the losses of the first steps stay, in a CUDA graph too).
 void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int classes, float* row_loss,
                    float* last_loss, float* history, int* count, int capacity, cudaStream_t stream);
-
-// Max pooling's backward (NHWC; x the forward's input): each input gets the gradients of the outputs whose window
-// chose it, the first maximum in scan order as PyTorch's max_pool2d.
-void maxpool_backward(const void* x, const void* dy, void* dx, Storage st, int n, int h, int w, int channels,
-                      int window, int stride, int pad, cudaStream_t stream);
 
 // db[j] = sum over the batch of dy[i, j] (the classifier's bias gradient), in the storage type.
 void column_sum(const void* dy, void* db, Storage st, int batch, int classes, cudaStream_t stream);

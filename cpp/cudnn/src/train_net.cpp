@@ -44,8 +44,6 @@ struct ResNet50Train::BnUnit {
 struct ResNet50Train::PoolUnit : PoolDesc {  // PoolDesc's x and y are its cuDNN descriptors; these are tensors
   using PoolDesc::PoolDesc;
   int input = -1, output = -1, dinput = -1, doutput = -1;
-  bool max = false;
-  int window = 0, stride = 0, pad = 0;
 };
 
 ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::TensorMap& weights,
@@ -201,7 +199,6 @@ int ResNet50Train::pool(int x, bool max, int window, int stride, int pad) {
   auto unit = std::make_unique<PoolUnit>(max, window, stride, pad, o_.precision, true, o_.batch, a.c, a.h, a.w);
   unit->input = x;
   unit->output = tensor(a.c, unit->out_h, unit->out_w);
-  unit->max = max, unit->window = window, unit->stride = stride, unit->pad = pad;
   steps_.push_back({Kind::PoolForward, int(pools_.size()), {x}, {unit->output}});
   pools_.push_back(std::move(unit));
   return pools_.back()->output;
@@ -235,9 +232,7 @@ int ResNet50Train::pool_backward(int unit, int dy) {
   const Tensor a = tensors_[u.input];
   u.doutput = dy;
   u.dinput = tensor(a.c, a.h, a.w);
-  // Our max pooling backward reads only the forward's input; cuDNN's average one takes both.
-  steps_.push_back({Kind::PoolBackward, unit, u.max ? std::vector<int>{dy, u.input}
-                                                    : std::vector<int>{dy, u.input, u.output}, {u.dinput}});
+  steps_.push_back({Kind::PoolBackward, unit, {dy, u.input, u.output}, {u.dinput}});
   return u.dinput;
 }
 
@@ -432,13 +427,8 @@ void ResNet50Train::run(const Step& s) const {
     }
     case Kind::PoolBackward: {
       const PoolUnit& u = *pools_[s.unit];
-      const Tensor& in = tensors_[u.input];
-      if (u.max)
-        maxpool_backward(in.ptr, ptr(u.doutput), ptr(u.dinput), p.storage, o_.batch, in.h, in.w, in.c, u.window,
-                         u.stride, u.pad, stream_);
-      else
-        CUDNN_CHECK(cudnnPoolingBackward(handle_, u.desc, &one, u.y, ptr(u.output), u.y, ptr(u.doutput), u.x,
-                                         ptr(u.input), &zero, u.x, ptr(u.dinput)));
+      CUDNN_CHECK(cudnnPoolingBackward(handle_, u.desc, &one, u.y, ptr(u.output), u.y, ptr(u.doutput), u.x,
+                                       ptr(u.input), &zero, u.x, ptr(u.dinput)));
       break;
     }
     case Kind::FcForward: fc_forward_->run(stream_); break;

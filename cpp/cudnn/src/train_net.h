@@ -1,6 +1,6 @@
 // torchvision's ResNet-50 training step (core/train.py make_step), by hand: BatchNorm in training mode, cross-entropy,
 // the whole backward, and SGD with momentum and weight decay. Convolutions in their three passes by cuDNN's graph API
-// (conv.h), pooling and average pooling's backward by cuDNN, the classifier and its gradients by cuBLASLt (linear.h), the rest by
+// (conv.h), pooling and its backward by cuDNN, the classifier and its gradients by cuBLASLt (linear.h), the rest by
 // our kernels (train_kernels.h). NHWC. bf16 and fp16 keep fp32 master weights, BatchNorm parameters and statistics,
 // as autocast does; every activation and gradient of the step lives in one memory plan (memory_plan.h).
 #pragma once
