@@ -15,6 +15,7 @@ struct MemoryPlan {
   std::vector<long long> offsets;  // per tensor, into one allocation; -1 for a tensor the plan does not hold
   std::vector<size_t> buffers;     // each buffer's size
   size_t total = 0;
+  size_t peak_live = 0;            // the most bytes alive at once: what no plan of these steps can go below
 };
 
 struct PlannedStep {
@@ -61,6 +62,16 @@ inline MemoryPlan plan_memory(const std::vector<size_t>& bytes, const std::vecto
       home[out] = pick;
     }
   MemoryPlan plan;
+  std::vector<int> first_write(bytes.size(), -1);
+  for (size_t i = 0; i < steps.size(); ++i)
+    for (int w : steps[i].writes)
+      if (first_write[w] < 0) first_write[w] = int(i);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    size_t live = 0;
+    for (size_t t = 0; t < bytes.size(); ++t)
+      if (first_write[t] >= 0 && first_write[t] <= int(i) && last_use[t] >= int(i)) live += bytes[t];
+    plan.peak_live = std::max(plan.peak_live, live);
+  }
   std::vector<size_t> base;
   for (const Buffer& b : buffers) {
     base.push_back(plan.total);
