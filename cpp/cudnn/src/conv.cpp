@@ -54,45 +54,45 @@ Desc pointwise(cudnnPointwiseMode_t mode, const Desc& x, const Desc* b, const De
 bool residual(Epilogue e) { return e == Epilogue::BiasAddRelu; }
 bool relu(Epilogue e) { return e == Epilogue::BiasRelu || e == Epilogue::BiasAddRelu; }
 
-// The convolution node of a pass over the forward's tensors x, w and y (the pass writes dx, dw or y).
+// The convolution node of a pass over the forward's tensors x, w and y (the pass writes dx, dw or y): the three
+// operations differ only in their descriptor type and attribute names.
 Desc conv_operation(Pass pass, const Desc& conv, const Desc& x, const Desc& w, const Desc& y) {
+  struct Names {
+    cudnnBackendDescriptorType_t type;
+    cudnnBackendAttributeName_t alpha, beta, conv, x, w, y;
+  };
+  static const Names fprop{CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y};
+  static const Names dgrad{CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY};
+  static const Names wgrad{CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+                           CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY};
+  const Names& n = pass == Pass::Fprop ? fprop : pass == Pass::Dgrad ? dgrad : wgrad;
   const float alpha = 1.f, beta = 0.f;
-  switch (pass) {
-    case Pass::Fprop: {
-      Desc op(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
-      op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y)
-          .finalize();
-      return op;
-    }
-    case Pass::Dgrad: {
-      Desc op(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR);
-      op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, conv)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y)
-          .finalize();
-      return op;
-    }
-    case Pass::Wgrad: {
-      Desc op(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
-      op.set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &beta)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, conv)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y)
-          .finalize();
-      return op;
-    }
-  }
-  throw std::runtime_error("unknown convolution pass");
+  Desc op(n.type);
+  op.set(n.alpha, CUDNN_TYPE_FLOAT, 1, &alpha)
+      .set(n.beta, CUDNN_TYPE_FLOAT, 1, &beta)
+      .set(n.conv, conv)
+      .set(n.x, x)
+      .set(n.w, w)
+      .set(n.y, y)
+      .finalize();
+  return op;
 }
 
 // The operation graph of the spec, with the epilogue (fused) or without it. Returns every descriptor it made; the

@@ -40,7 +40,8 @@ Setup setup(const ladder::Args& a) {
   if (!s.train) return s;
   if (s.net.precision.storage == rung::Storage::F16)
     throw std::runtime_error("fp16 training needs a gradient scaler, which the cudnn rung lacks (bf16 trains)");
-  if (!s.net.nhwc) throw std::runtime_error("the cudnn rung trains channels-last only (its BatchNorm kernels are NHWC)");
+  if (!s.net.nhwc)
+    throw std::runtime_error("the cudnn rung trains channels-last only (its BatchNorm kernels are NHWC)");
   s.lr = float(a.d("lr"));
   return s;
 }

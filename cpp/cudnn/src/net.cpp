@@ -239,7 +239,8 @@ void ResNet50::plan_memory(ladder::Json& stats) {
   for (const Act& a : acts_) bytes.push_back(align_up(size_t(o_.batch) * a.c * a.h * a.w * o_.precision.bytes));
   bytes[0] = 0;  // the input has its own buffer
   std::vector<PlannedStep> steps;
-  for (const Step& s : steps_) steps.push_back({s.reads, s.writes >= 0 ? std::vector<int>{s.writes} : std::vector<int>{}});
+  for (const Step& s : steps_)
+    steps.push_back({s.reads, s.writes >= 0 ? std::vector<int>{s.writes} : std::vector<int>{}});
   const MemoryPlan plan = rung::plan_memory(bytes, steps);
   activations_ = DeviceBuffer(plan.total);
   for (size_t a = 0; a < acts_.size(); ++a)

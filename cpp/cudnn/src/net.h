@@ -16,7 +16,8 @@ constexpr double kBnEps = 1e-5;  // torchvision's BatchNorm2d default
 
 std::string shape_str(const std::vector<int64_t>& s);
 // The named tensor of the weights file, checked against the shape torchvision's resnet50 gives it.
-const ladder::HostTensor& weight(const ladder::TensorMap& w, const std::string& name, const std::vector<int64_t>& shape);
+const ladder::HostTensor& weight(const ladder::TensorMap& w, const std::string& name,
+                                 const std::vector<int64_t>& shape);
 
 // What the rung's driver needs of a network: one call (a forward, or a training step) issued on the stream, its
 // device input and output, and what goes into the cell's output file.

@@ -172,7 +172,8 @@ __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int g
 }
 
 template <typename T>
-__global__ void bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz, bool relu, size_t packs, int channels,
+__global__ void bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz,
+                                     bool relu, size_t packs, int channels,
                                      const float* __restrict__ save_mean, const float* __restrict__ save_invstd,
                                      const float* __restrict__ coef) {
   const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
@@ -385,7 +386,8 @@ void add(const void* a, const void* b, void* out, Storage st, size_t n, cudaStre
 Sgd::Sgd(const std::vector<SgdTensor>& tensors) {
   std::vector<Chunk> chunks;
   for (size_t t = 0; t < tensors.size(); ++t)
-    for (int64_t b = 0; b < tensors[t].n; b += kChunk) chunks.push_back({int(t), b, std::min(b + kChunk, tensors[t].n)});
+    for (int64_t b = 0; b < tensors[t].n; b += kChunk)
+      chunks.push_back({int(t), b, std::min(b + kChunk, tensors[t].n)});
   tensors_ = DeviceBuffer(tensors.size() * sizeof(SgdTensor));
   chunks_ = DeviceBuffer(chunks.size() * sizeof(Chunk));
   LADDER_CUDA(cudaMemcpy(tensors_.get(), tensors.data(), tensors_.bytes(), cudaMemcpyHostToDevice));

@@ -11,6 +11,17 @@ constexpr float kSgdMomentum = 0.9f, kWeightDecay = 1e-4f;  // core/train.py MOM
 constexpr int kClasses = 1000;
 constexpr int kLossHistory = 64;  // the losses of the first steps kept for the output file
 
+// f(PyTorch's KCRS offset, our KRSC offset with `padded` input channels) for each element of a [k, c, r, r] filter.
+template <typename F>
+void each_filter_element(const std::vector<int64_t>& shape, int64_t padded, F&& f) {
+  const int64_t k = shape[0], c = shape[1], r = shape[2];
+  for (int64_t o = 0; o < k; ++o)
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t y = 0; y < r; ++y)
+        for (int64_t x = 0; x < r; ++x)
+          f(size_t(((o * c + i) * r + y) * r + x), size_t(((o * r + y) * r + x) * padded + i));
+}
+
 }  // namespace
 
 struct ResNet50Train::Param {
@@ -255,12 +266,8 @@ void ResNet50Train::place_parameters(const ladder::TensorMap& weights) {
   for (Param& q : params_) {
     const std::vector<float>& src = weight(weights, q.name, q.shape).data;
     if (q.padded_channels) {
-      const int64_t k = q.shape[0], c = q.shape[1], r = q.shape[2], cp = q.padded_channels;
-      for (int64_t o = 0; o < k; ++o)
-        for (int64_t i = 0; i < c; ++i)
-          for (int64_t y = 0; y < r; ++y)
-            for (int64_t x = 0; x < r; ++x)
-              host[q.master + ((o * r + y) * r + x) * cp + i] = src[((o * c + i) * r + y) * r + x];
+      each_filter_element(q.shape, q.padded_channels,
+                          [&](size_t kcrs, size_t krsc) { host[q.master + krsc] = src[kcrs]; });
     } else {
       std::copy(src.begin(), src.end(), host.begin() + q.master);
     }
@@ -473,13 +480,9 @@ ladder::TensorMap ResNet50Train::result(int steps) const {
   for (const Param& q : params_) {
     ladder::HostTensor t{q.shape, {}};
     if (q.padded_channels) {  // KRSC, padded -> PyTorch's KCRS
-      const int64_t k = q.shape[0], c = q.shape[1], r = q.shape[2], cp = q.padded_channels;
-      t.data.resize(k * c * r * r);
-      for (int64_t o = 0; o < k; ++o)
-        for (int64_t i = 0; i < c; ++i)
-          for (int64_t y = 0; y < r; ++y)
-            for (int64_t x = 0; x < r; ++x)
-              t.data[((o * c + i) * r + y) * r + x] = master[q.master + ((o * r + y) * r + x) * cp + i];
+      t.data.resize(q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3]);
+      each_filter_element(q.shape, q.padded_channels,
+                          [&](size_t kcrs, size_t krsc) { t.data[kcrs] = master[q.master + krsc]; });
     } else {
       t.data.assign(master.begin() + q.master, master.begin() + q.master + q.n);
     }
