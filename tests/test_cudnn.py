@@ -4,6 +4,7 @@ on a GPU, the training step's backward against eager's."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from core import train
 from core.cell import Cell, Unavailable
 from core.model import build_model, make_input, write_input, write_weights
+from core.paths import REPO
 from core.placement import set_math_mode
 from harness.contract import Protocol, contract_argv
 from tiers.cudnn import TIER, toolchain
@@ -111,3 +113,16 @@ def test_backward_of_the_last_bottleneck_matches_eager(binary, tmp_path):
         expected = params[name].detach().cpu() - initial[name]
         got = ours[f"param.{name}"] - initial[name]
         assert (got - expected).norm() / expected.norm() < 1e-2, name
+
+
+def test_memory_plan_never_overlaps_live_tensors(tmp_path):
+    """cpp/cudnn/src/memory_plan.h, built with the host's C++ compiler and run on random step sequences: tensors alive
+    together never share a byte, in-place pairs do, and the plan stays near the most bytes alive at once."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on PATH")
+    exe = tmp_path / "memory_plan_test"
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{REPO / 'cpp/cudnn/src'}",
+                    str(REPO / "tests/cpp/memory_plan_test.cpp"), "-o", str(exe)], check=True)
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout

@@ -1,11 +1,14 @@
-// One memory plan for a sequence of steps on one stream: each tensor a step writes takes a buffer whose previous
-// tenant is dead (last read by an earlier step), the smallest that fits, else the largest free one grown; a new
-// buffer only when none is free. A step's outputs never share with its inputs, so no kernel reads what it
+// One memory plan for a sequence of steps on one stream, made offline since every lifetime is known up front: each
+// tensor lives from the step that first writes it to the last step that reads it, and takes an offset in one
+// allocation where no tensor alive at the same time lies. Largest first, each at the lowest gap that fits among the
+// tensors it overlaps in time (greedy by size, the usual static planner); this lands close to the most bytes alive at
+// once, which no plan can go below. A step's outputs never share with its inputs, so no kernel reads what it
 // overwrites, except where the step says that it works in place (each element read before it is written, by the
-// same thread) and the input dies there.
+// same thread) and the input dies there: then the two are one block.
 #pragma once
 #include <algorithm>
 #include <cstddef>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -13,7 +16,6 @@ namespace rung {
 
 struct MemoryPlan {
   std::vector<long long> offsets;  // per tensor, into one allocation; -1 for a tensor the plan does not hold
-  std::vector<size_t> buffers;     // each buffer's size
   size_t total = 0;
   size_t peak_live = 0;            // the most bytes alive at once: what no plan of these steps can go below
 };
@@ -23,64 +25,62 @@ struct PlannedStep {
   std::vector<std::pair<int, int>> in_place = {};  // (output, input) pairs the step may compute in place
 };
 
-// bytes[t] == 0: tensor t lives elsewhere (the input, a parameter) and takes no buffer.
+// bytes[t] == 0: tensor t lives elsewhere (the input, a parameter) and takes no memory here.
 inline MemoryPlan plan_memory(const std::vector<size_t>& bytes, const std::vector<PlannedStep>& steps) {
-  std::vector<int> last_use(bytes.size(), -1);
-  for (size_t i = 0; i < steps.size(); ++i) {
-    for (int r : steps[i].reads) last_use[r] = int(i);
-    for (int w : steps[i].writes) last_use[w] = std::max(last_use[w], int(i));
-  }
-  struct Buffer { size_t bytes = 0; int tenant = -1; };
-  std::vector<Buffer> buffers;
-  std::vector<int> home(bytes.size(), -1);
-  for (size_t i = 0; i < steps.size(); ++i)
-    for (int out : steps[i].writes) {
-      if (bytes[out] == 0 || home[out] >= 0) continue;
-      const size_t need = bytes[out];
-      int pick = -1;
-      for (const auto& [o, in] : steps[i].in_place)
-        if (o == out && home[in] >= 0 && last_use[in] == int(i) && buffers[home[in]].bytes >= need) pick = home[in];
-      if (pick >= 0) {
-        buffers[pick].tenant = out;
-        home[out] = pick;
-        continue;
-      }
-      for (int j = 0; j < int(buffers.size()); ++j) {
-        if (buffers[j].tenant >= 0 && last_use[buffers[j].tenant] >= int(i)) continue;  // still live
-        if (pick < 0) { pick = j; continue; }
-        const bool fits = buffers[j].bytes >= need, pick_fits = buffers[pick].bytes >= need;
-        if (fits ? (!pick_fits || buffers[j].bytes < buffers[pick].bytes)
-                 : (!pick_fits && buffers[j].bytes > buffers[pick].bytes))
-          pick = j;
-      }
-      if (pick < 0) {
-        buffers.emplace_back();
-        pick = int(buffers.size()) - 1;
-      }
-      buffers[pick].bytes = std::max(buffers[pick].bytes, need);
-      buffers[pick].tenant = out;
-      home[out] = pick;
+  const int n = int(bytes.size());
+  std::vector<int> first(n, -1), last(n, -1);
+  for (int i = 0; i < int(steps.size()); ++i) {
+    for (int w : steps[i].writes) {
+      if (first[w] < 0) first[w] = i;
+      last[w] = std::max(last[w], i);
     }
+    for (int r : steps[i].reads) last[r] = i;
+  }
+  // In place: the output joins its input's block when the input dies at that step.
+  std::vector<int> block(n);
+  std::iota(block.begin(), block.end(), 0);
+  for (int i = 0; i < int(steps.size()); ++i)
+    for (const auto& [out, in] : steps[i].in_place)
+      if (bytes[in] && last[in] == i && first[out] == i && bytes[in] >= bytes[out]) block[out] = block[in];
+  std::vector<size_t> size(n, 0);
+  std::vector<int> start(n, -1), end(n, -1);
+  for (int t = 0; t < n; ++t) {
+    if (!bytes[t] || first[t] < 0) continue;
+    const int b = block[t];
+    size[b] = std::max(size[b], bytes[t]);
+    start[b] = start[b] < 0 ? first[t] : std::min(start[b], first[t]);
+    end[b] = std::max(end[b], last[t]);
+  }
+  std::vector<int> order;
+  for (int b = 0; b < n; ++b)
+    if (size[b]) order.push_back(b);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return size[a] > size[b]; });
   MemoryPlan plan;
-  std::vector<int> first_write(bytes.size(), -1);
-  for (size_t i = 0; i < steps.size(); ++i)
-    for (int w : steps[i].writes)
-      if (first_write[w] < 0) first_write[w] = int(i);
-  for (size_t i = 0; i < steps.size(); ++i) {
+  std::vector<long long> at(n, -1);
+  std::vector<int> placed;
+  for (int b : order) {
+    std::vector<std::pair<size_t, size_t>> taken;  // [offset, offset + size) of blocks alive with b
+    for (int o : placed)
+      if (start[o] <= end[b] && start[b] <= end[o]) taken.push_back({size_t(at[o]), size_t(at[o]) + size[o]});
+    std::sort(taken.begin(), taken.end());
+    size_t offset = 0, best = SIZE_MAX, best_gap = SIZE_MAX;
+    for (const auto& [lo, hi] : taken) {
+      if (lo >= offset && lo - offset >= size[b] && lo - offset < best_gap) best = offset, best_gap = lo - offset;
+      offset = std::max(offset, hi);
+    }
+    at[b] = static_cast<long long>(best != SIZE_MAX ? best : offset);
+    plan.total = std::max(plan.total, size_t(at[b]) + size[b]);
+    placed.push_back(b);
+  }
+  plan.offsets.assign(n, -1);
+  for (int t = 0; t < n; ++t)
+    if (bytes[t] && first[t] >= 0) plan.offsets[t] = at[block[t]];
+  for (int i = 0; i < int(steps.size()); ++i) {
     size_t live = 0;
-    for (size_t t = 0; t < bytes.size(); ++t)
-      if (first_write[t] >= 0 && first_write[t] <= int(i) && last_use[t] >= int(i)) live += bytes[t];
+    for (int b : order)
+      if (start[b] <= i && i <= end[b]) live += size[b];
     plan.peak_live = std::max(plan.peak_live, live);
   }
-  std::vector<size_t> base;
-  for (const Buffer& b : buffers) {
-    base.push_back(plan.total);
-    plan.total += b.bytes;
-    plan.buffers.push_back(b.bytes);
-  }
-  plan.offsets.assign(bytes.size(), -1);
-  for (size_t t = 0; t < bytes.size(); ++t)
-    if (home[t] >= 0) plan.offsets[t] = static_cast<long long>(base[home[t]]);
   return plan;
 }
 

@@ -245,11 +245,9 @@ void ResNet50::plan_memory(ladder::Json& stats) {
   activations_ = DeviceBuffer(plan.total);
   for (size_t a = 0; a < acts_.size(); ++a)
     if (plan.offsets[a] >= 0) acts_[a].ptr = static_cast<char*>(activations_.get()) + plan.offsets[a];
-  ladder::Json sizes = ladder::Json::array();
-  for (size_t b : plan.buffers) sizes.push_back(ladder::Json(static_cast<unsigned long long>(b)));
   ladder::Json j = ladder::Json::object();
-  j["buffers"] = sizes;
   j["activation_bytes"] = static_cast<unsigned long long>(plan.total);
+  j["peak_live_bytes"] = static_cast<unsigned long long>(plan.peak_live);
   stats["memory_plan"] = j;
 }
 

@@ -153,7 +153,6 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
     if (plan.offsets[t] >= 0) tensors_[t].ptr = static_cast<char*>(activations_.get()) + plan.offsets[t];
   ladder::Json memory_plan = ladder::Json::object();
   memory_plan["tensors"] = int(tensors_.size());
-  memory_plan["buffers"] = int(plan.buffers.size());
   memory_plan["activation_bytes"] = static_cast<unsigned long long>(plan.total);
   memory_plan["peak_live_bytes"] = static_cast<unsigned long long>(plan.peak_live);
   stats["memory_plan"] = memory_plan;
