@@ -109,6 +109,63 @@ def markdown_table(table: list[dict[str, Any]]) -> list[str]:
             + ["| " + " | ".join(cell(row.get(c, "")) for c in cols) + " |" for row in table])
 
 
+def drop_empty_columns(table: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The rows without the columns that are empty in every row (a CPU run's GPU columns, say)."""
+    keep = [c for c in columns(table) if any(row.get(c) for row in table)]
+    return [{c: row.get(c, "") for c in keep} for row in table]
+
+
+PIVOT_STATUS = {"skipped": "-", "unavailable": "n/a", "timeout": "timeout", "interrupted": "stopped"}
+
+
+def pivot_cell(r: dict | None, base: dict | None, with_rate: bool) -> str:
+    """One rung x dtype cell: median ms, or at the largest batch img/s and the speed-up over eager; else a short
+    status word."""
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return PIVOT_STATUS.get(r["status"], "FAIL")
+    if not ranked(r):
+        return "interp."
+    if not with_rate:
+        return f"{r['latency_ms']['median']:.2f}"
+    x = speedup(base, r)
+    return f"{r['throughput_img_s']:,.0f}" + (f" {x:.2f}x" if x else "")
+
+
+def pivot_markdown(records: list[dict]) -> list[str]:
+    """The comparison first: for each task and batch size (and resolution and layout, where the run has several),
+    one row per rung and one column per dtype; milliseconds per call, and at the largest batch img/s with the
+    speed-up over eager. Rungs with no cell measured are named once under their table."""
+    def group(r: dict) -> tuple:
+        return r.get("task", "infer"), r["res"], r["channels_last"], r["batch"]
+
+    dtypes = [d for d in ("fp32", "tf32", "fp16", "bf16") if any(r["dtype"] == d for r in records)]
+    several = {k: len({group(r)[i] for r in records}) > 1 for i, k in ((1, "res"), (2, "layout"))}
+    out = []
+    for key in sorted({group(r) for r in records}):
+        task, res, channels_last, batch = key
+        cells = [r for r in records if group(r) == key]
+        largest = batch == max(r["batch"] for r in records if group(r)[:3] == key[:3])
+        where = ", ".join([f"res {res}"] * several["res"] + [layout_name(channels_last)] * several["layout"])
+        unit = "img/s and speed-up over eager" if largest else "median ms per call"
+        out += [f"### {task}, batch {batch}{f' ({where})' if where else ''}: {unit}", ""]
+        table, absent = [], []
+        for label in dict.fromkeys(r["label"] for r in cells):
+            row = {"rung": label}
+            for d in dtypes:
+                r = next((c for c in cells if c["label"] == label and c["dtype"] == d), None)
+                row[d] = pivot_cell(r, eager_baseline(records, r) if r else None, largest)
+            if all(row[d] in ("", "-", "n/a") for d in dtypes):
+                absent.append(label)
+            else:
+                table.append(row)
+        out += markdown_table(table) + [""]
+        if absent:
+            out += [f"Not measured here (the reasons: below): {', '.join(absent)}.", ""]
+    return out
+
+
 def host_cpu_line(host: dict) -> str:
     return (f"Host CPU at the start of the run: a fixed pure-Python chunk took {host['p10_ms']:.2f} ms (p10) to "
             f"{host['p90_ms']:.2f} ms (p90) on {len(host['cpus'])} CPUs, p90/p10 = {host['p90_over_p10']:.2f} "
@@ -150,8 +207,9 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
+    lines += pivot_markdown(doc["results"])
     table = rows(doc["results"])
-    lines += markdown_table(table)
+    lines += ["## Every cell", ""] + markdown_table(drop_empty_columns(table))
     if any(row["vs eager"].endswith(CROSS_RUN) for row in table):
         lines += ["", f"{CROSS_RUN} this rung and eager come from different runs and one of the two is host-bound: "
                   "the speed-up divides two draws of the host's speed. Compare such cells within one run."]

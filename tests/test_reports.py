@@ -118,3 +118,20 @@ def test_markdown_table_takes_every_key_of_rows_that_differ():
     assert lines[0] == "| layer | fused | unfused_reason | median_ms |"
     assert lines[2] == "| conv1 | False | faster unfused | 0.307 |"
     assert lines[3] == "| conv2 | True |  | 0.100 |"
+
+
+def test_the_markdown_opens_with_rungs_by_dtype_and_drops_empty_columns(sweep):
+    """A real CPU sweep's markdown: a rung x dtype table per batch size first (median ms; img/s and speed-up at the
+    largest batch), within 100 columns; rungs with nothing measured named once; then every cell, without the GPU
+    columns a CPU run leaves empty."""
+    out, _ = sweep
+    md = (out / "ladder.md").read_text().splitlines()
+    first = md.index("### infer, batch 1: median ms per call")
+    assert md[first + 2] == "| rung | fp32 |" and md[first + 4].startswith("| eager | ")
+    assert "Not measured here (the reasons: below): onnxruntime, tensorrt." in md or any(
+        line.startswith("Not measured here") and "tensorrt" in line for line in md)
+    largest = md.index("### infer, batch 2: img/s and speed-up over eager")
+    assert md[largest + 4].startswith("| eager | ") and md[largest + 4].endswith(" 1.00x |")
+    assert all(len(line) <= 100 for line in md[first:md.index("## Every cell")])
+    header = md[md.index("## Every cell") + 2]
+    assert "GPU MiB (NVML)" not in header and "alloc MiB" not in header and "median ms" in header
