@@ -188,10 +188,12 @@ def parser() -> argparse.ArgumentParser:
     acc.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     acc.add_argument("--out", type=Path, default=None, help="default runs/accuracy-<model>-<device>")
 
-    cmp = sub.add_parser("compare", help="B against A, cell by cell, with a bootstrap CI of the median's ratio; "
-                         "exit status 1 on any regression")
-    cmp.add_argument("a", type=Path, help="baseline: ladder.json or results.jsonl")
-    cmp.add_argument("b", type=Path, help="candidate: ladder.json or results.jsonl")
+    cmp = sub.add_parser("compare", help="B against A, cell by cell, with a bootstrap CI of the median's ratio "
+                         "(several runs a side: their spread in the interval; one: each cell's noise floor); exit "
+                         "status 1 on any regression")
+    cmp.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+                     help="ladder.json or results.jsonl files: A B (baseline, candidate), or A1 A2 ... -- B1 B2 ... "
+                     "(several runs of each side)")
     cmp.add_argument("--threshold", type=_share, default=0.03,
                      help="smallest change called a regression or an improvement (default 3%%)")
     cmp.add_argument("--markdown", type=Path, help="write the comparison as markdown here")
@@ -219,14 +221,23 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Warnings meant for the user (a torn results line, say) as one plain line each, not Python's two
     warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
-    args = parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(sides_marked(argv))
+    args.argv = argv  # recorded with the results
     try:
         return COMMANDS[args.command](args)
     except Refusal as e:
         return refuse(f"{args.command}: {e}", e.status)
     except report.BadInput as e:
         return refuse(f"{args.command}: {e}")
+
+
+def sides_marked(argv: list[str]) -> list[str]:
+    """compare's `--` between A's runs and B's as compare.SIDE_BREAK: argparse drops a `--`."""
+    if argv[:1] != ["compare"] or "--" not in argv:
+        return argv
+    i = argv.index("--")
+    return [*argv[:i], compare.SIDE_BREAK, *argv[i + 1:]]
 
 
 def refuse(message: str, status: int = 2) -> int:
@@ -257,6 +268,6 @@ COMMANDS = {
     "micro": lambda a: micro.run(a.tier, a.batch, a.res, a.dtype, a.layout == "nhwc", a.task, a.json,
                                   a.markdown) or 0,
     "report": lambda a: report.rerender(a.inputs, a.json, a.markdown, a.csv, a.wide) or 0,
-    "compare": lambda a: compare.run(a.a, a.b, a.threshold, a.markdown),
+    "compare": lambda a: compare.run(a.runs, a.threshold, a.markdown),
     "train-to-accuracy": lambda a: accuracy.run(accuracy_config(a)) or 0,
 }

@@ -1,9 +1,13 @@
-"""Two runs, cell by cell: B's median latency over A's, with a bootstrap confidence interval from the raw samples.
+"""Runs against runs, cell by cell: B's median latency over A's, with a bootstrap confidence interval.
 
-A change is called a regression or an improvement only where the interval excludes 1 and the change exceeds the
-threshold; otherwise it is within noise. The interval covers the noise inside each run (the samples), not the
-difference between two processes or two hosts: the threshold is there for that (host-bound cells move most,
-and are marked)."""
+Two kinds of noise move a figure. Inside a run, the samples scatter: the bootstrap of the raw samples covers that.
+Between runs, whole processes and hosts differ (a host-bound cell moves by tens of percent): no resampling of one
+run can see that. So:
+- with several runs a side, the bootstrap is two-level (runs drawn with replacement, then each drawn run's samples),
+  and the interval carries the spread between runs; a change must exceed the threshold;
+- with one run a side, a change must also exceed the cell's noise floor: the largest change measured between runs
+  of the same code in that cell's class (NOISE_FLOOR; docs/notes/compare-noise-floor.md).
+Each row says which of the two applied (`basis`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,57 +28,121 @@ from tiers import identity
 
 FAILED = ("crashed", "oom", "timeout", "error", "parity-fail", "contended")
 
+# The largest move of a cell's median between two runs of the same code (max(B/A, A/B) - 1), by class, rounded up:
+# a change must exceed it, up or down by the factor 1 + floor. Measured on the lent H100 (inference: 4 runs, 153
+# cell pairs; training: 2 runs, 24) and on a 2-core CPU (4 runs, 33 pairs); docs/notes/compare-noise-floor.md has
+# the figures, and bench/noise_floor.py measures them on another machine.
+NOISE_FLOOR = {"gpu": 0.04, "host": 0.85, "cpu": 0.55}
+HOST_PACED = 0.5  # host time per call / latency from which a GPU cell moves with the host: training steps at batch
+# 32 with shares of 0.51-0.59 moved up to 59% between runs, cells under 0.5 at most 3.9%
 
-def median_ratio_ci(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
-    """median(b) / median(a), and the percentile bootstrap interval of that ratio (each run resampled on its own)."""
+SIDE_BREAK = "::"  # the command line's `--` between A's runs and B's (cli.py puts it there; argparse drops `--`)
+
+
+def host_share(r: dict) -> float:
+    """The CPU time to issue one call over its latency (1 on the CPU, where the host computes it)."""
+    if r["device"] != "cuda":
+        return 1.0
+    host = (r.get("host_overhead_us") or {}).get("median")
+    return host / 1e3 / r["latency_ms"]["median"] if host else 0.0
+
+
+def noise_class(r: dict) -> str:
+    """'cpu' (computed on the host), 'host' (a GPU cell paced by its host) or 'gpu'."""
+    return "cpu" if r["device"] != "cuda" else "host" if host_share(r) >= HOST_PACED else "gpu"
+
+
+def noise_floor(records: list[dict]) -> tuple[float, str]:
+    """The noise floor of a cell measured in these records (one run a side), and its class: the noisiest class of
+    the two."""
+    classes = {noise_class(r) for r in records}
+    cls = next(c for c in ("cpu", "host", "gpu") if c in classes)
+    return NOISE_FLOOR[cls], cls
+
+
+def _side(runs: list[list[float]], rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """One side's statistic (the mean of its runs' medians) over the two-level bootstrap's resamples."""
+    per_run = np.stack([np.median(np.asarray(s, dtype=float)[rng.integers(0, len(s), (resamples, len(s)))], axis=1)
+                        for s in runs])  # (runs, resamples): each run's median, its samples resampled
+    drawn = rng.integers(0, len(runs), (resamples, len(runs)))  # the runs of each resample, with replacement
+    return per_run[drawn, np.arange(resamples)[:, None]].mean(axis=1)
+
+
+def ratio_ci(a_runs: list[list[float]], b_runs: list[list[float]], resamples: int = 2000, seed: int = 0,
+             level: float = 0.95) -> tuple[float, float, float]:
+    """B over A (each side: the mean of its runs' medians; one run: its median), and the percentile interval of
+    that ratio under the two-level bootstrap. With one run a side it is the plain bootstrap of the samples."""
     rng = np.random.default_rng(seed)
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    med_a = np.median(  # the same median as core.stats, vectorised over the resamples
-        a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
-    med_b = np.median(b[rng.integers(0, len(b), (resamples, len(b)))], axis=1)
     tail = (1 - level) / 2 * 100
-    low, high = np.percentile(med_b / med_a, [tail, 100 - tail])
-    return median(b.tolist()) / median(a.tolist()), float(low), float(high)
+    low, high = np.percentile(_side(b_runs, rng, resamples) / _side(a_runs, rng, resamples), [tail, 100 - tail])
+    point = np.mean([median(s) for s in b_runs]) / np.mean([median(s) for s in a_runs])
+    return float(point), float(low), float(high)
 
 
 def verdict(ratio: float, low: float, high: float, threshold: float) -> str:
+    """A change by more than the factor 1 + threshold, either way, with the interval excluding 1."""
     if low > 1 and ratio > 1 + threshold:
         return "regression"
-    if high < 1 and ratio < 1 - threshold:
+    if high < 1 and ratio < 1 / (1 + threshold):
         return "improvement"
     return "within noise"
 
 
-def compare(a_records: list[dict], b_records: list[dict], threshold: float) -> list[dict]:
-    """One row per cell of either run: its latencies, the ratio B/A with its 95% CI, and the verdict."""
-    a_by = {identity(Cell.of_record(r)): r for r in a_records}
-    b_by = {identity(Cell.of_record(r)): r for r in b_records}
+def side_status(records: list[dict]) -> str:
+    """'ok' where every run of the side measured the cell, else the first failure."""
+    return next((r["status"] for r in records if r["status"] != "ok"), "ok")
+
+
+def timed(a: list[dict], b: list[dict], threshold: float) -> dict:
+    """The figures and verdict of a cell that every run of both sides measured."""
+    a_ms = float(np.mean([r["latency_ms"]["median"] for r in a]))
+    b_ms = float(np.mean([r["latency_ms"]["median"] for r in b]))
+    row = {"a_ms": a_ms, "b_ms": b_ms, "host_bound": any(bound(r) == "host" for r in a + b)}
+    samples = [[r.get("latency_samples_ms") for r in side] for side in (a, b)]
+    if not all(all(s) for s in samples):
+        return {**row, "ratio": b_ms / a_ms, "verdict": "no raw samples", "basis": ""}
+    ratio, low, high = ratio_ci(*samples)
+    if len(a) > 1 and len(b) > 1:
+        basis, needed = f"{len(a)}+{len(b)} runs", threshold
+    else:
+        floor, cls = noise_floor(a + b)
+        basis, needed = f"floor {floor:.0%} {cls}", max(threshold, floor)
+    return {**row, "ratio": ratio, "ci_low": low, "ci_high": high, "threshold": needed, "basis": basis,
+            "verdict": verdict(ratio, low, high, needed)}
+
+
+def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float) -> list[dict]:
+    """One row per cell of any run: its latencies (the mean of each side's run medians), the ratio B/A with its 95%
+    CI, the verdict and its basis (between-run spread, or the cell's noise floor)."""
+    def by_cell(runs: list[list[dict]]) -> dict[str, list[dict]]:
+        cells: dict[str, list[dict]] = {}
+        for run in runs:
+            for r in run:
+                cells.setdefault(identity(Cell.of_record(r)), []).append(r)
+        return cells
+
+    a_by, b_by = by_cell(a_runs), by_cell(b_runs)
     out = []
     for key in list(a_by) + [k for k in b_by if k not in a_by]:
-        a, b = a_by.get(key), b_by.get(key)
-        r = a or b
+        a, b = a_by.get(key, []), b_by.get(key, [])
+        r = (a or b)[0]
         row = {"rung": r["label"], "batch": r["batch"], "res": r["res"], "dtype": r["dtype"],
                "layout": layout_name(r["channels_last"]), "a_ms": None, "b_ms": None, "ratio": None,
-               "ci_low": None, "ci_high": None, "host_bound": False}
-        if a is None or b is None:
-            row["verdict"] = "only in A" if b is None else "only in B"
-        elif a["status"] != "ok" or b["status"] != "ok":
-            row["verdict"] = (f"now {b['status']}" if a["status"] == "ok" else
-                              "now ok" if b["status"] == "ok" else f"{b['status']} in both")
-            if a["status"] == "ok" and b["status"] in FAILED:
-                row["verdict"] = f"regression: now {b['status']}"
-        elif not (ranked(a) and ranked(b)):
+               "ci_low": None, "ci_high": None, "threshold": None, "basis": "", "host_bound": False,
+               "a_runs": len(a), "b_runs": len(b)}
+        sa, sb = side_status(a), side_status(b)
+        if not a or not b:
+            row["verdict"] = "only in B" if not a else "only in A"
+        elif sa != "ok" or sb != "ok":
+            row["verdict"] = (f"now {sb}" if sa == "ok" else "now ok" if sb == "ok" else f"{sb} in both")
+            if sa == "ok" and sb in FAILED:
+                row["verdict"] = f"regression: now {sb}"
+        elif not all(ranked(x) for x in a + b):
             row["verdict"] = "interpreted: not a speed"
+        elif any((x.get("contention") or {}).get("flagged") for x in a + b):  # it measured another process too
+            row["verdict"] = "contended: not compared"
         else:
-            row.update(a_ms=a["latency_ms"]["median"], b_ms=b["latency_ms"]["median"],
-                       host_bound="host" in (bound(a), bound(b)))
-            sa, sb = a.get("latency_samples_ms"), b.get("latency_samples_ms")
-            if sa and sb:
-                ratio, low, high = median_ratio_ci(sa, sb)
-                row.update(ratio=ratio, ci_low=low, ci_high=high, verdict=verdict(ratio, low, high, threshold))
-            else:
-                row.update(ratio=row["b_ms"] / row["a_ms"], verdict="no raw samples")
+            row.update(timed(a, b, threshold))
         out.append(row)
     return out
 
@@ -83,65 +151,105 @@ def regressions(rows: list[dict]) -> int:
     return sum(row["verdict"].startswith("regression") for row in rows)
 
 
-def display(row: dict) -> dict[str, str]:
-    """The row as the tables show it."""
-    def ms(v):
-        return "" if v is None else f"{v:.3f}"
+def display(row: dict, terminal: bool = False) -> dict[str, str]:
+    """The row as the tables show it; the terminal's is narrower (fits 80 columns with the rung's name whole):
+    milliseconds in five characters, the interval to two decimals, the floor without the word, host-boundness
+    left to the basis."""
+    def ms(v):  # the terminal: five characters at most, four or more significant digits
+        return ("" if v is None else f"{v:.3f}" if not terminal or v < 10 else
+                f"{v:.{max(0, 4 - len(str(int(v))))}f}")
 
+    ci = "" if row["ci_low"] is None else (f"{row['ci_low']:.2f}-{row['ci_high']:.2f}" if terminal else
+                                            f"{row['ci_low']:.3f}-{row['ci_high']:.3f}")
     return {"rung": row["rung"], "batch": str(row["batch"]), "dtype": row["dtype"], "layout": row["layout"],
             "A ms": ms(row["a_ms"]), "B ms": ms(row["b_ms"]),
-            "B/A": "" if row["ratio"] is None else f"{row['ratio']:.3f}",
-            "95% CI": "" if row["ci_low"] is None else f"{row['ci_low']:.3f}-{row['ci_high']:.3f}",
-            "verdict": row["verdict"] + (" (host)" if row["host_bound"] else "")}
+            "B/A": "" if row["ratio"] is None else f"{row['ratio']:.3f}", "95% CI": ci,
+            "verdict": row["verdict"] + (" (host)" if row["host_bound"] and not terminal else ""),
+            "basis": row["basis"].removeprefix("floor ") if terminal else row["basis"]}
 
 
 def rich_table(rows: list[dict], title: str):
     table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
-    shown = [display(r) for r in rows]
-    for c in (shown[0] if shown else ()):
-        table.add_column(c, no_wrap=c != "rung",
-                         justify="left" if c in ("rung", "dtype", "layout", "verdict") else "right")
+    shown = [display(r, terminal=True) for r in rows]
+    layouts = len({r["layout"] for r in rows}) > 1
+    cols = [c for c in (shown[0] if shown else ()) if c != "layout" or layouts]
+    for c in cols:  # the rung's name and a rare long verdict ("regression: now crashed") wrap; a number never breaks
+        table.add_column(c, no_wrap=c not in ("rung", "verdict"), max_width=12 if c == "verdict" else None,
+                         justify="left" if c in ("rung", "dtype", "layout", "verdict", "basis") else "right")
     for row, d in zip(rows, shown):
         style = ("red" if row["verdict"].startswith("regression") else
                  "green" if row["verdict"] == "improvement" else None)
-        table.add_row(*[Text(v, style=style) for v in d.values()])
+        table.add_row(*[Text(d[c], style=style) for c in cols])
     return table
+
+
+def how_to_read(threshold: float) -> str:
+    return (f"B/A = B's median latency over A's (each side: the mean of its runs' medians; above 1: B is slower). "
+            f"95% CI: percentile bootstrap of that ratio, two-level where a side has several runs (runs, then each "
+            f"run's raw samples), so that it carries the spread between runs. A change counts where the interval "
+            f"excludes 1 and the change exceeds {threshold:.1%} and, with one run a side, the cell's noise floor "
+            f"(basis 'floor N% class'): the largest change measured between runs of the same code for its class "
+            f"(gpu: a GPU cell whose host issues less than {HOST_PACED:.0%} of its latency, "
+            f"{NOISE_FLOOR['gpu']:.0%}; host: the other GPU cells, {NOISE_FLOOR['host']:.0%}; cpu: "
+            f"{NOISE_FLOOR['cpu']:.0%}; docs/notes/compare-noise-floor.md). "
+            "Basis 'N+M runs': the runs' spread is in the interval. (host) marks host-bound cells. A cell measured "
+            "beside another busy process in any run (contention.flagged) is not compared.")
 
 
 def markdown(rows: list[dict], a: str, b: str, threshold: float) -> str:
     n = regressions(rows)
-    return "\n".join([
-        f"# Compare: B = {b} against A = {a}", "",
-        f"B/A = median latency of B over A's (above 1: B is slower). 95% CI: percentile bootstrap of that ratio from "
-        f"both runs' raw samples. A change counts where the interval excludes 1 and it exceeds {threshold:.1%}; "
-        "(host) marks host-bound cells, whose latency measures the host's speed.", "",
-        *markdown_table([display(r) for r in rows]), "",
-        f"{n} regression{'s' if n != 1 else ''}.", ""])
+    return "\n".join([f"# Compare: B = {b} against A = {a}", "", how_to_read(threshold), "",
+                      *markdown_table([display(r) for r in rows]), "",
+                      f"{n} regression{'s' if n != 1 else ''}.", ""])
 
 
-def run(a: Path, b: Path, threshold: float, markdown_path: Path | None) -> int:
-    """`python -m harness compare A B`: the table, a summary line, the markdown if asked; 1 on a regression.
-    Raises BadInput for a file that is not results."""
-    loaded = []
-    for path in (a, b):
+def split_sides(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """`A B`, or `A1 [A2 ...] -- B1 [B2 ...]` (the `--` arrives as SIDE_BREAK). Raises BadInput."""
+    names = [str(p) for p in paths]
+    if SIDE_BREAK in names:
+        i = names.index(SIDE_BREAK)
+        a, b = paths[:i], paths[i + 1:]
+    elif len(paths) == 2:
+        a, b = paths[:1], paths[1:]
+    else:
+        raise BadInput(f"give two runs (A B), or several a side with -- between them (A1 A2 -- B1 B2); got "
+                       f"{len(paths)} files and no --")
+    if not a or not b or SIDE_BREAK in map(str, a + b):
+        raise BadInput("give at least one run on each side of a single -- (A1 A2 -- B1 B2)")
+    return a, b
+
+
+def load_side(paths: list[Path]) -> list[list[dict]]:
+    """Each file one run. Raises BadInput."""
+    runs = []
+    for path in paths:
         records, _ = load_records([path])
         if not records:
             raise BadInput(f"no records in {path}")
-        loaded.append(records)
-    rows = compare(*loaded, threshold=threshold)
+        runs.append(records)
+    return runs
+
+
+def run(paths: list[Path], threshold: float, markdown_path: Path | None) -> int:
+    """`python -m harness compare A B` or `A1 A2 -- B1 B2`: the table, a summary line, the markdown if asked; 1 on a
+    regression. Raises BadInput for files that are not results."""
+    a_paths, b_paths = split_sides(paths)
+    rows = compare(load_side(a_paths), load_side(b_paths), threshold=threshold)
+    a, b = " ".join(map(str, a_paths)), " ".join(map(str, b_paths))
     console = Console()
-    both = [r for r in rows if not r["verdict"].startswith("only in")]
-    console.print(rich_table(both, title=escape(f"B/A: median latency, B = {b}, A = {a}")))
-    for side in ("A", "B"):
-        alone = sum(r["verdict"] == f"only in {side}" for r in rows)
-        if alone:
-            console.print(f"{alone} cells only in {side} (listed in --markdown)", markup=False)
+    left_out = {r["verdict"] for r in rows if r["verdict"].startswith("only in") or r["verdict"].endswith(" in both")}
+    shown = [r for r in rows if r["verdict"] not in left_out]
+    console.print(rich_table(shown, title=escape(f"B/A: median latency, B = {b}, A = {a}")))
+    for what in sorted(left_out):
+        console.print(f"{sum(r['verdict'] == what for r in rows)} cells {what} (listed in --markdown)", markup=False)
     n = regressions(rows)
     changed = sum(r["verdict"] == "improvement" for r in rows)
+    floors = sum(r["basis"].startswith("floor") for r in rows)
     console.print(f"{n} regression{'s' if n != 1 else ''}, {changed} improvement{'s' if changed != 1 else ''}, "
-                  f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise (threshold "
-                  f"{threshold:.1%}; 95% bootstrap CI of the median's ratio)", markup=False)
+                  f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise (threshold {threshold:.1%}; "
+                  f"95% bootstrap CI of the ratio; {floors} cells by their noise floor, "
+                  f"{sum(r['basis'].endswith('runs') for r in rows)} by the spread between runs)", markup=False)
     if markdown_path:
         markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(markdown_path, markdown(rows, str(a), str(b), threshold))
+        write_text_atomic(markdown_path, markdown(rows, a, b, threshold))
     return 1 if n else 0

@@ -37,7 +37,22 @@ NEEDS_BYTES = {"cuda": 2 << 30, "cpu": 512 << 20}
 
 
 def run(config: LadderConfig) -> int:
-    """The ladder; 0 when it ran to the end, 130 when interrupted (every finished cell kept). Raises Refusal."""
+    """The ladder; 0 when it ran to the end, 130 when interrupted (every finished cell kept). Raises Refusal.
+    SIGTERM (a timeout, a batch scheduler) and SIGHUP stop it as Ctrl-C does, in every stage."""
+    def stop(signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return run_stages(config)
+    except KeyboardInterrupt:  # the stages that measure or write catch their own: here nothing was measured yet
+        raise Refusal("interrupted before any cell was measured", status=130) from None
+    finally:  # a caller in the same process (a test, a notebook) gets its own handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_stages(config: LadderConfig) -> int:
     t_start = time.perf_counter()
     console = Console()
     device = config.device or default_device()
@@ -77,11 +92,13 @@ def run(config: LadderConfig) -> int:
                       f"cells recorded in {run_dir.path}; the same command goes on from there", markup=False,
                       style="yellow")
     ordered_records = [records[identity(c)] for c in cells if identity(c) in records]
+    rerender = f"every cell is in {run_dir.results}, and `python -m harness report {run_dir.results}` renders them"
     try:
         write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
     except OSError as e:  # each report is written whole or not at all (core/files.py): the old one stays valid
-        raise Refusal(f"writing the reports failed: {e}; every cell is in {run_dir.results}, and "
-                      f"`python -m harness report {run_dir.results}` renders them", status=1) from None
+        raise Refusal(f"writing the reports failed: {e}; {rerender}", status=1) from None
+    except KeyboardInterrupt:
+        raise Refusal(f"interrupted while writing the reports; {rerender}", status=130) from None
     return 130 if interrupted else 0
 
 
@@ -122,19 +139,6 @@ def measure(ctx: Context, todo: list[Cell], records: dict[str, dict], config: La
             console: Console) -> tuple[bool, dict]:
     """The prepare stage, then each rung's cells, with live progress; each record appended to results.jsonl and to
     `records` as it ends. Returns (interrupted, the C++ builds' facts)."""
-    def stop(signum, _frame):  # SIGTERM (timeout, a batch scheduler) and SIGHUP end the ladder as Ctrl-C does
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return measure_with_progress(ctx, todo, records, config, console)
-    finally:  # a caller in the same process (a test, a notebook) gets its own handlers back
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def measure_with_progress(ctx: Context, todo: list[Cell], records: dict[str, dict], config: LadderConfig,
-                          console: Console) -> tuple[bool, dict]:
     builds: dict = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:

@@ -26,13 +26,10 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, t
     if reason:
         raise Refusal(f"{tier_name} cannot run on this GPU: {reason}")
     rows = tier.micro(batch, res, dtype, channels_last, task)
-    # The terminal shows each layer's name (and pass), its engine and its timings; --json and --markdown keep every
-    # column.
-    cols = columns(rows)
-    shown = cols[:1] + [c for c in cols if c in ("pass", "engine", "fused") or c.endswith(("_ms", "tflops"))]
     what = "per-layer" if task == "infer" else "training step, per layer and pass,"
-    table = Table(title=f"{tier_name}: {what} microbenchmark, batch {batch}, res {res}, {dtype}",
-                  caption="every column: --json, --markdown")
+    title = f"{tier_name}: {what} microbenchmark, batch {batch}, res {res}, {dtype}"
+    shown = shown_columns(rows)
+    table = Table(title=title, caption="every column: --json")
     for c in shown:
         table.add_column(c, overflow="fold")
     for r in rows:
@@ -42,5 +39,17 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, t
         write_text_atomic(json_path, json.dumps({"environment": environment("cuda"), "tier": tier_name, "task": task,
                                                  "batch": batch, "res": res, "dtype": dtype, "rows": rows}, indent=1))
     if md_path:
-        write_text_atomic(md_path, f"# {tier_name} {task} microbenchmark (batch {batch}, res {res}, {dtype})\n\n"
-                           + "\n".join(markdown_table(rows)) + "\n")
+        write_text_atomic(md_path, markdown(title, rows))
+
+
+def shown_columns(rows: list[dict]) -> list[str]:
+    """What the terminal and the markdown show, which reads at 100 columns: each layer's name (and pass), its engine
+    and its timings. The JSON keeps every column."""
+    cols = columns(rows)
+    return cols[:1] + [c for c in cols if c in ("pass", "engine", "fused") or c.endswith(("_ms", "tflops"))]
+
+
+def markdown(title: str, rows: list[dict]) -> str:
+    shown = shown_columns(rows)
+    return "\n".join([f"# {title}", "", *markdown_table([{c: r.get(c, "") for c in shown} for r in rows]), "",
+                      f"Every column ({', '.join(columns(rows))}): the JSON (--json).", ""])

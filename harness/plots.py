@@ -10,6 +10,7 @@ from pathlib import Path
 from harness.record import ranked
 
 MIB = 2**20
+TASK_NAMES = {"infer": "inference", "train": "training"}
 
 
 def _pyplot():
@@ -72,12 +73,22 @@ def _save(fig, path: Path) -> Path:
 
 
 def _by_panel(ok: list[dict]) -> dict[tuple, list[dict]]:
-    """Records per (dtype, layout, res): one panel each."""
+    """Records per (task, dtype, layout, res): one panel each, so that no axis or line mixes a forward with a
+    training step, two resolutions or two layouts."""
     panels = defaultdict(list)
     for r in ok:
-        panels[(r["dtype"], _layout(r), r["res"])].append(r)
+        panels[(r.get("task", "infer"), r["dtype"], _layout(r), r["res"])].append(r)
     order = {d: i for i, d in enumerate(("fp32", "tf32", "fp16", "bf16"))}
-    return dict(sorted(panels.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1:])))
+    return dict(sorted(panels.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9), kv[0][2:])))
+
+
+def _at_batch(ok: list[dict], pick=min) -> dict[tuple, list[dict]]:
+    """Per panel (_by_panel), the records of its smallest (pick=min) or largest batch."""
+    out = {}
+    for key, records in _by_panel(ok).items():
+        batch = pick(r["batch"] for r in records)
+        out[key] = [r for r in records if r["batch"] == batch]
+    return out
 
 
 def _by_rung(records: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -89,10 +100,17 @@ def _by_rung(records: list[dict]) -> list[tuple[str, list[dict]]]:
 
 
 def _panel_name(key: tuple, keys: list[tuple]) -> str:
-    """The dtype, plus layout and res where the document has more than one."""
-    dtype, layout, res = key
-    return " ".join([dtype] + ([layout] if len({k[1] for k in keys}) > 1 else [])
-                    + ([f"res {res}"] if len({k[2] for k in keys}) > 1 else []))
+    """The dtype, plus the task, layout and res where the document has more than one."""
+    task, dtype, layout, res = key
+    return " ".join(([TASK_NAMES[task]] if len({k[0] for k in keys}) > 1 else []) + [dtype]
+                    + ([layout] if len({k[2] for k in keys}) > 1 else [])
+                    + ([f"res {res}"] if len({k[3] for k in keys}) > 1 else []))
+
+
+def _per_call(records: list[dict]) -> str:
+    """What one timed call is in these records: a forward, a training step, or either."""
+    tasks = {r.get("task", "infer") for r in records}
+    return "forward" if tasks == {"infer"} else "training step" if tasks == {"train"} else "call"
 
 
 def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
@@ -105,7 +123,7 @@ def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
     panels = _by_panel(ok)
     colours = _colours({r["label"] for r in ok})
     what = ("throughput, img/s (batch / median latency; one batch at a time)" if metric == "throughput" else
-            "latency per forward, median ms (bars: 95% CI of the median)")
+            f"latency per {_per_call(ok)}, median ms (bars: 95% CI of the median)")
     fig, axes = _panels(plt, list(panels), f"{_where(doc)}: {what}")
     for key, records in panels.items():
         ax = axes[key]
@@ -120,7 +138,7 @@ def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
                 ax.errorbar(x, med, yerr=[low, high], fmt="o-", color=colours[label], label=label, capsize=2)
         _batch_axis(ax, {r["batch"] for r in records})
         ax.set_yscale("log")
-        ax.set_ylabel("img/s" if metric == "throughput" else "ms per forward")
+        ax.set_ylabel("img/s" if metric == "throughput" else f"ms per {_per_call(records)}")
         ax.set_title(_panel_name(key, list(panels)), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     return _save(fig, path)
@@ -143,15 +161,14 @@ def call_costs(r: dict) -> dict[str, float]:
 
 
 def overhead(doc: dict, path: Path) -> Path | None:
-    """Per-call costs at the smallest batch: stacked bars per rung, one panel per dtype."""
+    """Per-call costs at the smallest batch: stacked bars per rung, one panel per task and dtype."""
     ok = [r for r in doc["results"] if ranked(r)]
     if not ok:
         return None
-    batch = min(r["batch"] for r in ok)
-    panels = _by_panel([r for r in ok if r["batch"] == batch])
+    panels = _at_batch(ok, min)
     plt = _pyplot()
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: where one call's time goes at batch {batch} "
-                                           "(medians; e2e parts from the end-to-end pass)", width=6.4,
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: where one {_per_call(ok)}'s time goes at the smallest "
+                                           "batch (medians; e2e parts from the end-to-end pass)", width=6.4,
                         height=0.45 * max(len(v) for v in panels.values()) + 2.2)
     parts = ["guard check (host)", "issue on the host", "GPU after the last launch", "forward (host wall clock)",
              "H2D from pinned memory", "pageable extra over pinned"]
@@ -167,7 +184,7 @@ def overhead(doc: dict, path: Path) -> Path | None:
                 ax.barh([r["label"] for r in records], widths, left=left, color=colours[part], label=part)
                 left = [a + b for a, b in zip(left, widths)]
         ax.set_xlabel("ms per call")
-        ax.set_title(_panel_name(key, list(panels)), fontsize=10)
+        ax.set_title(f"{_panel_name(key, list(panels))}, batch {records[0]['batch']}", fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 
@@ -178,12 +195,13 @@ def first_result(doc: dict, path: Path) -> Path | None:
     firsts = {}
     for r in doc["results"]:
         if ranked(r) and r.get("cold") and r.get("process_position", 0) == 0:
-            firsts.setdefault(r["label"], r)
+            firsts.setdefault((r["label"], r.get("task", "infer")), r)
     if not firsts:
         return None
+    tasks = len({task for _, task in firsts}) > 1
     bars = []
-    for label, r in sorted(firsts.items(), reverse=True):
-        cell = f"b{r['batch']} {r['dtype']}"
+    for (label, task), r in sorted(firsts.items(), reverse=True):
+        cell = f"{task} " * tasks + f"b{r['batch']} {r['dtype']}"
         bars.append((f"{label} {r.get('start') or 'cold'} ({cell})", r["cold"]))
         prep = r.get("prepared") or {}
         if prep.get("start") == "cold":
@@ -205,17 +223,16 @@ def first_result(doc: dict, path: Path) -> Path | None:
 
 def memory(doc: dict, path: Path) -> Path | None:
     """Memory per rung at the largest batch: the allocator's steady-state peak and NVML's process peak (GPU), or
-    the peak resident host memory (CPU); one panel per dtype."""
+    the peak resident host memory (CPU); one panel per task and dtype."""
     ok = [r for r in doc["results"] if r["status"] == "ok" and r.get("memory")]
     if not ok:
         return None
-    batch = max(r["batch"] for r in ok)
-    panels = _by_panel([r for r in ok if r["batch"] == batch])
+    panels = _at_batch(ok, max)
     series = (("allocator_peak_bytes", "torch allocator peak, steady state"),
               ("nvml_process_peak_bytes", "NVML process peak (CUDA context included)"),
               ("rss_peak_bytes", "host RSS peak"))
     plt = _pyplot()
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: memory per rung at batch {batch}", width=6.4,
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: memory per rung at the largest batch", width=6.4,
                         height=0.5 * max(len(v) for v in panels.values()) + 2.2)
     for key, records in panels.items():
         ax = axes[key]
@@ -230,7 +247,7 @@ def memory(doc: dict, path: Path) -> Path | None:
         ax.set_yticks([j + height * (len(shown) - 1) / 2 for j in range(len(records))],
                       [r["label"] for r in records])
         ax.set_xlabel("MiB")
-        ax.set_title(_panel_name(key, list(panels)), fontsize=10)
+        ax.set_title(f"{_panel_name(key, list(panels))}, batch {records[0]['batch']}", fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 
@@ -253,7 +270,7 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
                     color=colours[label], label=label)
         _batch_axis(ax, {r["batch"] for r in records})
         ax.set_ylabel("% of the measured matmul rate")
-        peak = peaks.get(key[0])
+        peak = peaks.get(key[1])
         ax.set_title(_panel_name(key, list(panels)) + (f" (matmul {peak:.0f} TFLOP/s)" if peak else ""), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     return _save(fig, path)

@@ -1,5 +1,6 @@
 """Why a command will not go on, in one line: the command line prints `COMMAND: message` and exits with `status`
-(2: bad input or a directory in use; 1: the machine failed a step before any result)."""
+(2: bad input or a directory in use; 1: the machine failed a step before any result; 130: stopped by Ctrl-C,
+SIGTERM or SIGHUP)."""
 
 
 class Refusal(Exception):

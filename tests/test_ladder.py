@@ -261,6 +261,29 @@ def test_sigterm_in_the_prepare_stage_ends_the_ladder_at_once(tmp_path):
     assert not alive(descendants(proc.pid) | kids)
 
 
+def test_sigterm_while_the_reports_are_written_ends_at_once_and_leaves_them_valid(tmp_path):
+    """A rerun of a finished ladder goes straight to its reports; SIGTERM as the table is shown, while the JSON,
+    markdown and plots are written: one line, exit 130, within seconds, each report whole (old or new), no
+    temporary file left."""
+    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+    before = (tmp_path / "ladder.json").read_text()
+    argv, env = ladder_command(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32")
+    proc = subprocess.Popen(argv, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the terminal table is printed first, then the files are written
+        if line.lstrip().startswith("resnet50 on cpu"):
+            break
+    t = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.time() - t
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert err.strip().count("\n") == 0 and "interrupted while writing the reports" in err
+    assert took < 3, f"the ladder took {took:.1f} s to end"
+    assert json.loads((tmp_path / "ladder.json").read_text())["results"] == json.loads(before)["results"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

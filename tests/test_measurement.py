@@ -88,7 +88,7 @@ def test_an_interpreted_cell_is_labelled_and_never_ranked():
     assert report.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
     from harness.compare import compare as compare_runs
 
-    verdicts = {r["rung"]: r["verdict"] for r in compare_runs([fast_but_interpreted], [fast_but_interpreted], 0.03)}
+    verdicts = {r["rung"]: r["verdict"] for r in compare_runs([[fast_but_interpreted]], [[fast_but_interpreted]], 0.03)}
     assert verdicts == {"triton": "interpreted: not a speed"}
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import FAST, REPO
-from harness import compare, report
+from harness import compare, plots, report
 
 ENV80 = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
 
@@ -47,6 +47,33 @@ def test_plots_are_written_and_linked_from_the_markdown(sweep):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
         assert f"](plots/{stem}.png)" in md
     assert not (out / "plots" / "tflops.png").exists()  # no matmul peak on the CPU: nothing to draw
+
+
+def test_plots_never_mix_tasks_resolutions_or_layouts(tmp_path):
+    """A merged document of inference and training, two resolutions and two layouts: every panel holds one of
+    each, a rung's line has one point per batch, the per-call and memory panels one batch each, and the panels say
+    which task they show."""
+    def rec(task, res, channels_last, batch, label):
+        ms = batch * (3.0 if task == "train" else 1.0) * res / 64
+        return {"tier": label, "label": label, "task": task, "model": "resnet50", "batch": batch, "res": res,
+                "dtype": "bf16", "channels_last": channels_last, "cuda_graph": False, "device": "cuda",
+                "options": {}, "status": "ok", "latency_ms": {"median": ms}, "host_overhead_us": {"median": 50.0},
+                "throughput_img_s": batch / ms * 1e3, "memory": {"allocator_peak_bytes": batch * 2**30}}
+
+    records = [rec(t, res, cl, b, label) for t in ("infer", "train") for res in (64, 224) for cl in (False, True)
+               for b in (1, 8) for label in ("eager", "cudnn")]
+    panels = plots._by_panel(records)
+    assert len(panels) == 8
+    for key, group in panels.items():
+        assert len({(r["task"], r["res"], r["channels_last"], r["dtype"]) for r in group}) == 1
+        for _, line in plots._by_rung(group):
+            assert sorted(r["batch"] for r in line) == [1, 8]
+    names = [plots._panel_name(k, list(panels)) for k in panels]
+    assert "training bf16 nhwc res 224" in names and "inference bf16 nchw res 64" in names
+    assert all(len({r["batch"] for r in g}) == 1 for g in plots._at_batch(records, min).values())
+    doc = {"results": records, "environment": {"gpu": {"name": "H100"}}}
+    written = dict(plots.write_plots(doc, tmp_path))
+    assert {"Latency against batch size", "Memory per rung"} <= set(written)
 
 
 def test_csv_holds_numbers_and_plain_words(sweep):
@@ -88,11 +115,87 @@ def test_bootstrap_interval_brackets_one_for_one_distribution_and_excludes_it_fo
 
     rng = np.random.default_rng(1)
     a, b = rng.normal(10, 0.2, 50), rng.normal(10, 0.2, 50)
-    ratio, low, high = compare.median_ratio_ci(list(a), list(b))
+    ratio, low, high = compare.ratio_ci([list(a)], [list(b)])
     assert low < 1 < high and compare.verdict(ratio, low, high, 0.03) == "within noise"
-    ratio, low, high = compare.median_ratio_ci(list(a), list(b * 1.05))
+    ratio, low, high = compare.ratio_ci([list(a)], [list(b * 1.05)])
     assert low > 1 and compare.verdict(ratio, low, high, 0.03) == "regression"
     assert compare.verdict(ratio, low, high, 0.10) == "within noise"  # real, but under the threshold
+
+
+def test_several_runs_a_side_put_the_spread_between_runs_into_the_interval():
+    """Two runs a side whose medians differ by 10% between processes: B is 5% slower in each pair. One pair alone
+    is a tight, clear 'regression'; over both runs a side the interval covers the runs' spread and brackets 1."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    a = [list(rng.normal(10, 0.05, 60)), list(rng.normal(11, 0.05, 60))]
+    b = [list(rng.normal(10.5, 0.05, 60)), list(rng.normal(11.55, 0.05, 60))]
+    ratio, low, high = compare.ratio_ci(a[:1], b[:1])
+    assert low > 1 and compare.verdict(ratio, low, high, 0.03) == "regression"
+    ratio, low, high = compare.ratio_ci(a, b)
+    assert abs(ratio - 1.05) < 0.01 and low < 1 < high
+    ratio, low, high = compare.ratio_ci(a, [[v * 1.5 for v in s] for s in a])  # a change larger than the spread
+    assert low > 1.2 and compare.verdict(ratio, low, high, 0.03) == "regression"
+
+
+def test_noise_floor_by_class_and_host_share():
+    """One run a side: a GPU-bound cell needs the GPU floor, a cell paced by its host the host floor, a CPU cell the
+    CPU floor."""
+    def rec(host_ms: float, device: str = "cuda") -> dict:
+        return {"status": "ok", "device": device, "latency_ms": {"median": 1.0},
+                "host_overhead_us": {"median": host_ms * 1e3}}
+
+    floor = compare.NOISE_FLOOR
+    assert compare.noise_floor([rec(0.1), rec(0.4)]) == (floor["gpu"], "gpu")
+    assert compare.noise_floor([rec(0.1), rec(0.55)]) == (floor["host"], "host")  # the noisier of the two runs
+    assert compare.noise_floor([rec(1.0, "cpu"), rec(1.0, "cpu")]) == (floor["cpu"], "cpu")
+    assert floor["gpu"] < floor["cpu"] < floor["host"]
+
+
+@pytest.fixture(scope="module")
+def sweep_again(tmp_path_factory):
+    """The same sweep as `sweep`, run again: the same code on the same machine."""
+    out = tmp_path_factory.mktemp("sweep-again")
+    proc = harness("sweep", "--device", "cpu", "--tiers", "eager,onnxruntime,tensorrt", "--model", "resnet18",
+                   "--batch", "1,2", "--res", "32", "--out", str(out), *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(sweep, sweep_again, tmp_path):
+    """Host-bound cells (the CPU computes them) of two real runs, one a side: the noise floor applies and says so;
+    the same runs twice a side use the spread between them instead; a real slow-down still shows both ways."""
+    a, b = sweep[0] / "ladder.json", sweep_again / "ladder.json"
+    one = harness("compare", str(a), str(b), "--markdown", str(tmp_path / "one.md"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "0 regressions, 0 improvements" in " ".join(one.stdout.split())
+    assert max(map(len, one.stdout.splitlines())) <= 80 and "\nonnxruntime " in one.stdout  # the rung's name whole
+    rows = compare.compare(compare.load_side([a]), compare.load_side([b]), 0.03)
+    timed = [r for r in rows if r["basis"]]  # a cell flagged as contended in a busy CI host is not compared
+    assert all(r["verdict"] == "within noise" for r in timed) and len(timed) + sum(
+        r["verdict"] == "contended: not compared" for r in rows) == 4
+    assert all(r["basis"] == f"floor {compare.NOISE_FLOOR['cpu']:.0%} cpu" for r in timed)
+    two = compare.compare(compare.load_side([a, b]), compare.load_side([b, a]), 0.03)
+    assert all(r["basis"] == "2+2 runs" and r["verdict"] == "within noise" for r in two if r["basis"])
+    slow = []
+    for i, path in enumerate((a, b)):
+        doc = json.loads(path.read_text())
+        for r in doc["results"]:
+            if r["status"] == "ok":
+                r["latency_samples_ms"] = [v * 3 for v in r["latency_samples_ms"]]
+                r["latency_ms"]["median"] *= 3
+        slow.append(tmp_path / f"slow{i}.json")
+        slow[-1].write_text(json.dumps(doc))
+    worse = harness("compare", str(a), str(b), "--", *map(str, slow))
+    assert worse.returncode == 1, worse.stdout
+    assert compare.regressions(compare.compare(compare.load_side([a, b]), compare.load_side(slow), 0.03)) == len(timed)
+
+
+def test_compare_refuses_sides_it_cannot_split(sweep):
+    a = str(sweep[0] / "ladder.json")
+    for argv in ((a, a, a), (a, "--"), ("--", a)):
+        proc = harness("compare", *argv)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (argv, proc.stderr)
 
 
 def test_compare_refuses_a_file_that_is_not_results(tmp_path):
