@@ -99,5 +99,6 @@ class Built:
     stream_description: str = "torch current stream"
     stats: dict[str, Any] = field(default_factory=dict)  # build facts: graph breaks, export size, ...
     uses_torch_allocator: bool = True  # whether torch.cuda.max_memory_allocated covers its memory
+    captured: bool = False  # whether forward already replays the rung's own CUDA graph (cuda_graph cells)
     # Training only: the model's parameters and buffers by name (fp32, on the CPU), read after the parity steps.
     state: Callable[[], dict[str, Any]] | None = None

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.cell import Cell
+from core.cell import DTYPES, Cell
 from core.env import gpu_handle
 from core.memory import activation_bytes_per_image, host_available_bytes
 from harness.contract import Protocol
@@ -67,18 +67,29 @@ def plan(args: LadderConfig, device: str) -> list[Cell]:
     layouts = {"nchw": [False], "nhwc": [True], "both": [False, True]}[args.layout or ("nhwc" if gpu else "nchw")]
     graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     cells = []
-    for tier, layout, dtype, batch, res, graph in itertools.product(tiers, layouts, dtypes, batches, resolutions,
-                                                                    graphs):
-        given = tuple((k, v) for t, k, v in args.option if t == tier)
-        option_sets = ([tuple(sorted((("compile-mode", m),) + given)) for m in args.compile_mode]
-                       if tier == "compile" else [tuple(sorted(given))])
-        for opts in option_sets:
-            if graph and not all_tiers()[tier].cuda_graph:
-                continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode
-            cells.append(Cell(tier=tier, model=args.model, batch=batch, res=res, dtype=dtype,
-                              channels_last=layout, cuda_graph=graph, device=device, options=opts,
-                              task=args.task))
+    for tier in tiers:
+        tier_dtypes = args.dtype or deployed_dtypes(tier, dtypes, tiers, args.task)
+        for layout, dtype, batch, res, graph in itertools.product(layouts, tier_dtypes, batches, resolutions, graphs):
+            given = tuple((k, v) for t, k, v in args.option if t == tier)
+            option_sets = ([tuple(sorted((("compile-mode", m),) + given)) for m in args.compile_mode]
+                           if tier == "compile" else [tuple(sorted(given))])
+            for opts in option_sets:
+                if graph and not all_tiers()[tier].cuda_graph:
+                    continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode
+                cells.append(Cell(tier=tier, model=args.model, batch=batch, res=res, dtype=dtype,
+                                  channels_last=layout, cuda_graph=graph, device=device, options=opts,
+                                  task=args.task))
     return cells
+
+
+def deployed_dtypes(tier: str, dtypes: list[str], tiers: list[str], task: str) -> list[str]:
+    """A rung's default dtypes: its 16-bit cell in the type it is deployed in (`Tier.half`: fp16 for ONNX Runtime
+    and TensorRT), and eager's in each such type of the planned rungs that run the task, the baseline of their
+    speed-ups."""
+    rungs = all_tiers()
+    halves = ({rungs[t].half for t in tiers if task == "infer" or not rungs[t].cannot_train} if tier == "eager"
+              else {rungs[tier].half})
+    return [d for x in dtypes for d in ([h for h in DTYPES if h in halves] if x == "bf16" else [x])]
 
 
 def check_output_paths(args: LadderConfig) -> None:

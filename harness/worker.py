@@ -155,7 +155,7 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
         built = tier.build_train(model.train(), example, cell, store, lr=float(kv["lr"]))
     else:
         built = tier.build(model, example, cell, store)
-    if cell.cuda_graph:
+    if cell.cuda_graph and not built.captured:
         built = capture_cuda_graph(built, example)
     result["cold"]["build_s"] = time.perf_counter() - t
 

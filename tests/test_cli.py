@@ -123,3 +123,23 @@ def test_an_unwritable_results_file_is_one_line_before_any_measuring(capsys, tmp
     assert status == 2 and err.strip().splitlines() == [
         f"ladder: {out / 'results.jsonl'}: cannot append to it (Is a directory)"], err
     assert not (out / "cells").exists() and not (out / "run.json").exists()  # nothing measured, nothing written
+
+
+def test_the_default_gpu_ladder_runs_each_rung_in_the_16_bit_type_it_is_deployed_in():
+    """ONNX Runtime and TensorRT deploy in fp16 (no bf16 kernels or graph): their 16-bit cells are fp16, eager gets
+    fp16 cells as their baseline, every other rung stays bf16; a --dtype given is taken as it is, and a training
+    ladder adds no eager fp16 (no rung that trains deploys fp16)."""
+    from harness.plan import LadderConfig, plan
+
+    def dtypes(config: LadderConfig) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for cell in plan(config, "cuda"):
+            out.setdefault(cell.tier, set()).add(cell.dtype)
+        return out
+
+    default = dtypes(LadderConfig())
+    assert default["onnxruntime"] == default["tensorrt"] == default["ort-tensorrt"] == {"fp32", "tf32", "fp16"}
+    assert default["eager"] == {"fp32", "tf32", "fp16", "bf16"} and default["cudnn"] == {"fp32", "tf32", "bf16"}
+    assert dtypes(LadderConfig(dtype=["bf16"]))["onnxruntime"] == {"bf16"}  # asked for: skipped, with its reason
+    assert dtypes(LadderConfig(tiers=["eager", "cudnn"]))["eager"] == {"fp32", "tf32", "bf16"}
+    assert dtypes(LadderConfig(task="train"))["eager"] == {"fp32", "tf32", "bf16"}

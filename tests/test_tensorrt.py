@@ -67,6 +67,32 @@ def test_bf16_export_is_still_invalid(resnet18, tmp_path):
         onnx.checker.check_model(str(path), full_check=True)
 
 
+@pytest.mark.parametrize("fp16_graph", ["converter", "export"])
+def test_fp16_graph_runs_in_onnxruntime_within_the_fp16_tolerance(resnet18, tmp_path, fp16_graph):
+    """ONNX Runtime's 16-bit cell: an fp16 graph (converted from the fp32 export, or exported from the fp16
+    model) holds only fp16 weights, takes and returns fp16, and runs in the CPU EP within the fp16 tolerance of
+    eager fp32; another input still fails."""
+    from core.parity import compare
+
+    cell = Cell(tier="onnxruntime", model="resnet18", batch=2, res=32, dtype="fp16", channels_last=True,
+                device="cpu")
+    x = make_input(2, 32)
+    path, facts = export_onnx(resnet18, prepare_input(x, cell), cell, tmp_path, fp16_graph)
+    graph = onnx.load(str(path)).graph
+    floats = {i.data_type for i in graph.initializer} - {onnx.TensorProto.INT64}
+    assert floats == {onnx.TensorProto.FLOAT16}
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert ("fp16_graph" in facts) == (fp16_graph == "converter")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    run = lambda inp: torch.from_numpy(  # noqa: E731
+        session.run(None, {"input": inp.half().permute(0, 2, 3, 1).contiguous().numpy()})[0]).float()
+    with torch.no_grad():
+        reference = resnet18.float()(x)
+    verdict = compare(run(x), reference, "fp16")
+    assert verdict["ok"], verdict
+    assert not compare(run(make_input(2, 32, seed=1)), reference, "fp16")["ok"]
+
+
 def test_onnx_digest_follows_the_file(resnet18, tmp_path):
     paths = []
     for channels_last in (False, True):

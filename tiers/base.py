@@ -23,6 +23,9 @@ class Tier:
     summary: str = ""
     models: tuple[str, ...] | None = None  # None: any torchvision classification model
     dtypes: tuple[str, ...] = DTYPES
+    # The 16-bit type the rung is deployed in: the default GPU ladder's 16-bit cell (a rung whose runtime lacks
+    # bf16 kernels deploys fp16).
+    half: str = "bf16"
     cuda_graph: bool = False  # whether the rung can run captured in a CUDA graph (--cuda-graph)
     cuda_graph_train: bool = False  # whether it can capture a whole training step too
     # Rung-specific options (`--option TIER:KEY=VALUE`): key -> its valid values (default first), or None for a

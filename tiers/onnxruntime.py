@@ -1,9 +1,12 @@
 """Rung `onnxruntime`: the exported ONNX model in ONNX Runtime. On the GPU: the CUDA execution provider, run on
 the worker's CUDA stream (`user_compute_stream`) with IO binding to torch's device buffers and no sync at the end
-of Run, so the protocol's CUDA events time exactly ORT's work. On the CPU: the CPU execution provider."""
+of Run, so the protocol's CUDA events time exactly ORT's work; NHWC kernels for a channels-last cell, the
+provider's own CUDA graph for a cuda_graph cell, and fp16 as its 16-bit type (it has no bf16 pooling kernels).
+On the CPU: the CPU execution provider."""
 from __future__ import annotations
 
 import tempfile
+from importlib import metadata
 
 import numpy as np
 import torch
@@ -18,6 +21,14 @@ BF16_EXPORT = ("torch's ONNX exporter makes an invalid bfloat16 graph of this mo
                "float32 Conv weights beside bfloat16 activations (and at its default opset 18, Conv has no bfloat16)")
 
 
+def installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def ort_element_type(dtype: torch.dtype):
     return {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
 
@@ -27,9 +38,13 @@ class OnnxRuntime(PythonTier):
     cannot_train = "ONNX Runtime's training API (onnxruntime-training) is deprecated; this rung runs InferenceSession"
     summary = "ONNX Runtime (CUDA EP with IO binding on GPU; CPU EP on CPU)"
     provider = "CUDAExecutionProvider"
-    # How the CUDA EP picks each convolution's cuDNN algorithm: timing them all (ORT's default), cuDNN's heuristic,
-    # or always implicit-precomp GEMM. The choice moves both speed and fp32 rounding.
-    options = {"conv-algo-search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")}
+    half = "fp16"  # the CUDA EP has no bf16 MaxPool or GlobalAveragePool (docs/OperatorKernels.md): deployed in fp16
+    cuda_graph = True  # the CUDA EP's own graph (enable_cuda_graph), on the bound buffers
+    # conv-algo-search: how the CUDA EP picks each convolution's cuDNN algorithm: timing them all (ORT's default),
+    # cuDNN's heuristic, or always implicit-precomp GEMM; the choice moves both speed and fp32 rounding.
+    # fp16-graph: how the fp16 graph is made (tiers/exports/onnx.py export_onnx): the converter's is 2-2.5x closer
+    # to eager fp32 on ResNet-50 (docs/notes/ort-fp16.md).
+    options = {"conv-algo-search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"), "fp16-graph": ("converter", "export")}
 
     def availability(self, device):
         try:
@@ -38,7 +53,10 @@ class OnnxRuntime(PythonTier):
             return f"onnxruntime not installed ({e})"
         if device == "cuda" and self.provider not in ort.get_available_providers():
             return (f"onnxruntime {ort.__version__} lists no {self.provider} (providers: "
-                    f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu")
+                    f"{', '.join(ort.get_available_providers())}); "
+                    + ("onnxruntime-gpu is installed, but so is onnxruntime, and they share one module: `pip "
+                       "uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu`"
+                       if installed("onnxruntime-gpu") else "install onnxruntime-gpu"))
         return None
 
     def supports(self, cell):
@@ -48,9 +66,15 @@ class OnnxRuntime(PythonTier):
 
     def provider_options(self, cell, stream, store) -> dict:
         return {"device_id": str(torch.cuda.current_device()), "user_compute_stream": str(stream.cuda_stream),
-                "use_tf32": "1" if cell.dtype == "tf32" else "0",
+                **self.tuning(cell)}
+
+    def tuning(self, cell) -> dict[str, str]:
+        """The CUDA EP's options that shape its speed, as the record shows them: TF32, the convolution algorithm
+        search, NHWC kernels where the cell is channels-last, and its own CUDA graph for a cuda_graph cell."""
+        return {"use_tf32": "1" if cell.dtype == "tf32" else "0",
                 "cudnn_conv_algo_search": cell.option("conv-algo-search", self.option_default("conv-algo-search")),
-                "prefer_nhwc": "1" if cell.channels_last else "0"}
+                "prefer_nhwc": "1" if cell.channels_last else "0",
+                "enable_cuda_graph": "1" if cell.cuda_graph else "0"}
 
     def providers(self, cell, stream, store) -> list:
         """The execution providers in ORT's order of preference (a variant rung may put another first)."""
@@ -60,7 +84,8 @@ class OnnxRuntime(PythonTier):
         import onnxruntime as ort  # optional: availability() says why it is missing
 
         workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
-        path, facts = export_onnx(model, example, cell, workdir.name)
+        path, facts = export_onnx(model, example, cell, workdir.name,
+                                  cell.option("fp16-graph", self.option_default("fp16-graph")))
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         x = bound_input(example, cell)
@@ -74,6 +99,7 @@ class OnnxRuntime(PythonTier):
             return Built(forward=forward, stats={**facts, "providers": session.get_providers()},
                          stream_description="host (CPU execution provider)", uses_torch_allocator=False)
 
+        ort.preload_dlls()  # the CUDA and cuDNN libraries torch's own nvidia packages bring: no other CUDA install
         stream = torch.cuda.Stream()
         session = ort.InferenceSession(str(path), so, providers=self.providers(cell, stream, store))
         elem = ort_element_type(example.dtype)
@@ -91,9 +117,12 @@ class OnnxRuntime(PythonTier):
             return out
 
         forward.keepalive = (workdir, session, binding)
-        return Built(forward=forward, stream=stream, uses_torch_allocator=False,
-                     stream_description="torch side stream handed to ORT as user_compute_stream",
-                     stats={**facts, "providers": session.get_providers(), "ort_version": ort.__version__})
+        return Built(forward=forward, stream=stream, uses_torch_allocator=False, captured=cell.cuda_graph,
+                     stream_description="torch side stream handed to ORT as user_compute_stream"
+                                        + (" (the CUDA EP's graph replay)" if cell.cuda_graph else ""),
+                     stats={**facts, "providers": session.get_providers(), "ort_version": ort.__version__,
+                            "provider_options": {p: o for p, o in session.get_provider_options().items()
+                                                 if p == self.provider or p == OnnxRuntime.provider}})
 
 
 TIER = OnnxRuntime()

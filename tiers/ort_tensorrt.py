@@ -30,6 +30,7 @@ class OrtTensorRT(OnnxRuntime):
     caches = ("engines", "timing cache")  # TensorRT's, built by ORT in the rung's cache directory
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"
+    cuda_graph = False  # TensorRT's own graph option (trt_cuda_graph_enable) is not wired: no TensorRT here to test it
 
     def availability(self, device):
         if device != "cuda":

@@ -183,6 +183,8 @@ class TensorRT(PythonTier):
             return f"TensorRT-RTX {trt.__version__} does not support compute capability {major}.{minor} ({name})"
         return None
 
+    half = "fp16"  # its graph comes from the ONNX export, whose bf16 graph is invalid (BF16_EXPORT)
+
     def supports(self, cell):
         if cell.dtype == "bf16":  # the strongly typed network would be parsed from that invalid graph
             return BF16_EXPORT

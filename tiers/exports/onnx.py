@@ -3,6 +3,7 @@ torch's (dynamo) ONNX exporter with a dynamic batch axis. A channels-last cell g
 transpose to NCHW is part of the graph, so the runtime binds the NHWC buffer as it is and may fuse it away."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import warnings
@@ -28,8 +29,14 @@ def bound_input(example: torch.Tensor, cell: Cell) -> torch.Tensor:
     return example.permute(0, 2, 3, 1) if cell.channels_last else example
 
 
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workdir: Path) -> tuple[Path, dict]:
-    """Exports once per (model, dtype, layout, res) into `workdir`; returns the path and export facts."""
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workdir: Path,
+                fp16_graph: str = "converter") -> tuple[Path, dict]:
+    """Exports once per (model, dtype, layout, res) into `workdir`; returns the path and export facts. An fp16 graph
+    is exported from the fp16 model ('export'), or exported in fp32 and converted by onnxconverter-common's float16
+    pass, as ONNX Runtime's documentation converts models ('converter': inputs and outputs fp16 too)."""
+    if cell.dtype == "fp16" and fp16_graph == "converter":
+        path, facts = export_onnx(model, example.float(), dataclasses.replace(cell, dtype="fp32"), workdir)
+        return to_fp16(path), {**facts, "fp16_graph": "onnxconverter-common float16 of the fp32 export"}
     placed = place_model(model, cell).cpu() if cell.dtype in ("fp32", "tf32") else place_model(model, cell)
     module = NHWCInput(placed) if cell.channels_last else placed
     # Two samples, not one: torch.export specialises a size-1 dimension, which for the NHWC input contradicts the
@@ -46,3 +53,15 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workd
                               dynamic_shapes=({0: batch},), dynamo=True)
     return path, {"onnx_export_s": time.perf_counter() - t, "onnx_bytes": sum(
         p.stat().st_size for p in path.parent.glob(path.name + "*"))}
+
+
+def to_fp16(path: Path) -> Path:
+    """The fp32 graph at `path` with every float tensor, weights and inputs and outputs, in fp16."""
+    import onnx  # the exporter's own dependency; loaded only for this conversion
+    from onnxconverter_common import float16  # optional: the converter ONNX Runtime documents for fp16
+
+    out = path.with_name(path.stem + "-fp16.onnx")
+    if not out.exists():
+        converted = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=False)
+        onnx.save(converted, str(out))
+    return out
