@@ -1,6 +1,8 @@
 """`python -m harness train-to-accuracy`: each chosen rung trains the same network from the same seed and weights
 for E epochs on real data, with its own training step (the one `--task train` times), and the test accuracy after
-every epoch is reported per rung: the seed paper's accuracy table, as a curve.
+every epoch is reported per rung: the seed paper's accuracy table, as a curve. The C++ rungs (libtorch, cudnn) train
+in their own programs, on the same images in the same batch order, handed over through the child contract
+(`--train-data`), and write their state after each epoch.
 
 Data: by default scikit-learn's handwritten digits (1,797 8x8 images shipped inside scikit-learn, no download),
 upsampled to --res, with a fixed stratified split (75% train, 25% test); or --data DIR, an ImageFolder tree with
@@ -18,18 +20,23 @@ from typing import Any
 import torch
 import torchvision
 from rich.console import Console
+from safetensors.torch import load_file, save_file
 
+from core import proc as procs
 from core.cell import Cell, Store
-from core.env import default_device, environment
+from core.env import default_device, device_slug, environment
 from core.files import write_text_atomic
+from core.model import write_weights
 from core.placement import memory_format, set_math_mode
 from core.train import learning_rate
+from harness.context import shipped_tunings
+from harness.contract import ERROR, TRAIN_RESULT_KEYS, Protocol, contract_argv
 from harness.plan import command_line
 from harness.plots import accuracy_curves
 from harness.refusal import Refusal
 from harness.report import markdown_table
 from tiers import all_tiers
-from tiers.base import PythonTier
+from tiers.base import ExternalTier, PythonTier
 
 DIGITS_SPLIT_SEED = 0
 
@@ -88,26 +95,31 @@ def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Te
     return correct / len(y)
 
 
-def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, epochs: int, seed: int,
+def batch_order(images: int, batch: int, epochs: int, seed: int) -> torch.Tensor:
+    """[epochs, steps x batch]: each epoch's shuffled image indices, cut to full batches (one shape per rung); the
+    same for every rung."""
+    order = torch.Generator().manual_seed(seed)
+    steps = images // batch
+    return torch.stack([torch.randperm(images, generator=order)[:steps * batch] for _ in range(epochs)])
+
+
+def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor, store: Store,
                on_epoch) -> dict:
-    """One rung from `initial`'s weights: E epochs of its training step over shuffled batches (the same order for
-    every rung), the test accuracy after each."""
+    """A Python rung from `initial`'s weights: its training step over each epoch's batches in `order`, the test
+    accuracy after each epoch."""
     x_train, y_train, x_test, y_test = data
     model = copy.deepcopy(initial).train()
     example = x_train[: cell.batch].to(cell.device)
     example = example.contiguous(memory_format=memory_format(cell.channels_last))
     t = time.perf_counter()
-    built = tier.build_train(model, example, cell, Store(), lr=learning_rate(cell.batch))
+    built = tier.build_train(model, example, cell, store, lr=learning_rate(cell.batch))
     build_s = time.perf_counter() - t
     evaluator = copy.deepcopy(initial)
-    order = torch.Generator().manual_seed(seed)
     curve = []
-    for epoch in range(1, epochs + 1):
+    for epoch, perm in enumerate(order, start=1):
         t = time.perf_counter()
-        perm = torch.randperm(len(y_train), generator=order)
         losses = []
-        for i in range(0, len(perm) - cell.batch + 1, cell.batch):  # full batches only: one shape per rung
-            idx = perm[i:i + cell.batch]
+        for idx in perm.view(-1, cell.batch):
             x = x_train[idx].to(cell.device)
             x = x.contiguous(memory_format=memory_format(cell.channels_last))
             losses.append(built.forward(x, y_train[idx].to(cell.device)))
@@ -117,6 +129,42 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, epo
         curve.append({"epoch": epoch, "test_accuracy": acc, "train_loss": mean_loss, "epoch_s": seconds})
         on_epoch(cell, curve[-1])
     return {"rung": cell.label, "tier": cell.tier, "dtype": cell.dtype, "build_s": build_s, "curve": curve,
+            "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
+
+
+def train_program(tier: ExternalTier, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
+                  store: Store, workdir: Path, on_epoch) -> dict:
+    """A C++ rung: its program takes the same weights, images and batch order through the contract (--train-data),
+    trains with its own step and writes its state after each epoch, which is evaluated as a Python rung's is."""
+    x_train, y_train, x_test, y_test = data
+    states = workdir / "states"
+    states.mkdir(parents=True, exist_ok=True)
+    files = {"weights": workdir / "weights.safetensors", "input": workdir / "input.safetensors",
+             "output": workdir / "output.safetensors", "result": workdir / "result.json"}
+    write_weights(initial, files["weights"])
+    save_file({"input": x_train[:cell.batch].float().contiguous()}, str(files["input"]))
+    save_file({"x": x_train.float().contiguous(), "y": y_train.float(), "order": order.float()},
+              str(workdir / "train.safetensors"))
+    t = time.perf_counter()
+    argv = contract_argv(tier.command(cell), cell, files, Protocol(), {
+        "train-data": str(workdir / "train.safetensors"), "states": str(states), "lr": repr(learning_rate(cell.batch)),
+        "cache-dir": str(store.cache), "tunings": str(store.tunings or "")})
+    proc = procs.run(argv, cwd=workdir, env=procs.child_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = [line[len(ERROR):] for line in proc.stdout.splitlines() if line.startswith(ERROR)]
+        raise RuntimeError(said[-1] if said else f"exit status {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    result = json.loads(files["result"].read_text())
+    if set(result) != TRAIN_RESULT_KEYS:
+        raise RuntimeError(f"{cell.tier} wrote {sorted(result)}, not the contract's {sorted(TRAIN_RESULT_KEYS)}")
+    evaluator = copy.deepcopy(initial)
+    curve = []
+    for e in result["epochs"]:
+        state = load_file(str(states / f"epoch-{e['epoch']}.safetensors"))
+        curve.append({"epoch": e["epoch"], "test_accuracy": evaluate(evaluator, state, x_test, y_test, cell.device),
+                      "train_loss": e["train_loss"], "epoch_s": e["seconds"]})
+        on_epoch(cell, curve[-1])
+    return {"rung": cell.label, "tier": cell.tier, "dtype": cell.dtype, "build_s": result["cold"]["build_s"],
+            "program_s": time.perf_counter() - t, "curve": curve,
             "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
 
 
@@ -155,28 +203,45 @@ def run(config: AccuracyConfig) -> None:
     torch.manual_seed(config.seed)
     initial = torchvision.models.get_model(config.model, weights=None, num_classes=data["classes"])
     set_math_mode(dtype)
-    results, skipped = [], {}
+    order = batch_order(len(y_train), config.batch, config.epochs, config.seed)
+    env = environment(device)
+    gpu = device_slug(env) if device == "cuda" else None
+    data_split = (x_train, y_train, x_test, y_test)
+    results, skipped, failed = [], {}, {}
     for name in config.tiers:
         tier = all_tiers()[name]
         cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
                     channels_last=device == "cuda", device=device, task="train")
         reason = tier.availability(device) or tier.supports(cell)
-        if reason or not isinstance(tier, PythonTier):
-            skipped[name] = reason or f"{name} trains in its own program, which takes no dataset yet"
-            console.print(f"{name}: skipped: {skipped[name]}", markup=False, style="yellow")
+        if reason:
+            skipped[name] = reason
+            console.print(f"{name}: skipped: {reason}", markup=False, style="yellow")
             continue
+        store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
+        store.cache.mkdir(parents=True, exist_ok=True)
         torch._dynamo.reset()
-        results.append(train_rung(
-            tier, initial, (x_train, y_train, x_test, y_test), cell, config.epochs, config.seed,
-            lambda c, e: console.print(f"  {c.label:12s} epoch {e['epoch']:2d}: test accuracy "
-                                       f"{100 * e['test_accuracy']:5.1f}%, train loss {e['train_loss']:.3f}, "
-                                       f"{e['epoch_s']:.1f} s", markup=False)))
+        try:
+            if isinstance(tier, PythonTier):
+                results.append(train_rung(tier, initial, data_split, cell, order, store, show_epoch(console)))
+            else:
+                results.append(train_program(tier, initial, data_split, cell, order, store, out / "programs" / name,
+                                             show_epoch(console)))
+        except Exception as e:  # a rung that fails costs its own curve, not the others'
+            failed[name] = " ".join(f"{type(e).__name__}: {e}".split())
+            console.print(f"{name}: failed: {failed[name]}", markup=False, style="red")
     doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,
-           "res": config.res, "seed": config.seed, "data": data, "environment": environment(device),
+           "res": config.res, "seed": config.seed, "data": data, "environment": env,
            "recipe": "the step of core/train.py (SGD, momentum 0.9, weight decay 1e-4, lr 0.1 x batch / 256), "
                      "full shuffled batches; accuracy by the eager model in eval mode with the rung's weights",
-           "command": command_line(config.argv), "rungs": results, "skipped": skipped}
+           "command": command_line(config.argv), "rungs": results, "skipped": skipped, "failed": failed}
     write(doc, out, console)
+
+
+def show_epoch(console: Console):
+    """The live line of each epoch as it ends."""
+    return lambda c, e: console.print(f"  {c.label:12s} epoch {e['epoch']:2d}: test accuracy "
+                                      f"{100 * e['test_accuracy']:5.1f}%, train loss {e['train_loss']:.3f}, "
+                                      f"{e['epoch_s']:.1f} s", markup=False)
 
 
 def write(doc: dict, out: Path, console: Console) -> None:
@@ -194,6 +259,7 @@ def write(doc: dict, out: Path, console: Console) -> None:
              f"seed {doc['seed']}. Recipe: {doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
              *markdown_table(table), ""]
     lines += [f"- {name}: skipped: {reason}" for name, reason in doc["skipped"].items()]
+    lines += [f"- {name}: failed: {reason}" for name, reason in doc.get("failed", {}).items()]
     if plot:
         lines += ["", "![test accuracy per epoch](plots/accuracy.png)", ""]
     write_text_atomic(out / "accuracy.md", "\n".join(lines))

@@ -13,6 +13,13 @@ from harness.contract import Protocol
 from harness.rundir import RunDir, cell_dir
 
 
+def shipped_tunings(gpu: str | None, tier: str) -> Path | None:
+    """The rung's tuned choices shipped for this GPU model (kernels/tunings/<gpu>/<rung>.json|tsv), if any."""
+    if gpu is None:
+        return None
+    return next((p for ext in ("json", "tsv") if (p := TUNINGS / gpu / f"{tier}.{ext}").is_file()), None)
+
+
 @dataclass
 class Context:
     run: RunDir
@@ -25,13 +32,7 @@ class Context:
     prepared: dict[str, dict] = dataclasses.field(default_factory=dict)  # cell key -> prepare facts
 
     def tunings_file(self, tier: str) -> Path | None:
-        if self.tunings is None:
-            return None
-        for ext in ("json", "tsv"):
-            p = TUNINGS / self.tunings / f"{tier}.{ext}"
-            if p.is_file():
-                return p
-        return None
+        return shipped_tunings(self.tunings, tier)
 
     def store(self, cell: Cell) -> Store:
         """The rung's kept caches, or under --isolation cell a fresh, empty one for each cell (a true cold start),

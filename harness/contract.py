@@ -17,6 +17,11 @@ TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
 # The keys of a measured cell's result file (--result).
 RESULT_KEYS = frozenset({"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory",
                          "util", "rss_peak_bytes"})
+# A training rung's program trained on data (train-to-accuracy, harness/accuracy.py): --train-data FILE (x, y,
+# order) and --states DIR in place of the timed phases; it announces these phases and writes these result keys
+# (`epochs`: each epoch's number, seconds and mean train loss), and DIR/epoch-E.safetensors after each epoch.
+TRAIN_PHASES = ("load", "build", "train", "done")
+TRAIN_RESULT_KEYS = frozenset({"cold", "build_stats", "epochs"})
 # What a child prints on stdout for the parent: which cell of a `--cells` list begins, which phase, what failed.
 CELL, PHASE, ERROR = "@@cell ", "@@phase ", "@@error "
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.model import build_model, make_input, read_tensor, write_input, write_weights
-from harness.contract import PHASES, RESULT_KEYS, Protocol, contract_argv
+from harness.contract import PHASES, RESULT_KEYS, TRAIN_PHASES, TRAIN_RESULT_KEYS, Protocol, contract_argv
 from core.cell import Cell
 from tiers.libtorch import TIERS
 
@@ -126,6 +126,45 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
         assert r["pipelined"]["iters"] == max(TINY.pipelined_iters, math.ceil(TINY.pipelined_s * 1e3 / median))
         assert all(v == [] for v in r["e2e"].values())  # skipped on the CPU by both
         assert r["warmup"]["iters"] == TINY.warmup_min  # --warmup-s elapsed during the first call
+
+
+def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, files, tmp_path):
+    """train-to-accuracy's contract (--train-data, --states): the C++ program trains a 10-class network on the
+    images, labels and batch order given, and its state after each epoch is eager's after the same steps."""
+    from safetensors.torch import load_file, save_file
+
+    from core import train
+
+    torch.manual_seed(0)
+    initial = build_model("resnet18")
+    initial.fc = torch.nn.Linear(512, 10)
+    x, y = make_input(8, 32), torch.arange(8) % 10
+    order = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(e)) for e in range(2)])
+    write_weights(initial, tmp_path / "weights.safetensors")
+    save_file({"x": x, "y": y.float(), "order": order.float()}, str(tmp_path / "train.safetensors"))
+    write_input(x[:4], tmp_path / "input.safetensors")
+    (tmp_path / "states").mkdir()
+    cell = Cell(tier="libtorch", model="resnet18", batch=4, res=32, device="cpu", task="train")
+    argv = contract_argv(programs["libtorch"], cell, {
+        "weights": tmp_path / "weights.safetensors", "input": tmp_path / "input.safetensors",
+        "output": tmp_path / "output.safetensors", "result": tmp_path / "result.json"}, TINY, {
+        "train-data": str(tmp_path / "train.safetensors"), "states": str(tmp_path / "states"), "lr": "0.05"})
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == list(TRAIN_PHASES)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert set(result) == TRAIN_RESULT_KEYS and [e["epoch"] for e in result["epochs"]] == [1, 2]
+
+    start = {k: v.clone() for k, v in initial.state_dict().items()}
+    net = train.place_for_training(initial, cell)
+    step = train.make_step(net, net, cell, num_classes=10, lr=0.05)
+    for epoch, perm in enumerate(order, start=1):  # parity over steps, as a training cell's (core/train.py)
+        loss = torch.stack([step(x[idx], y[idx]) for idx in perm.view(-1, 4)]).mean().reshape(1)
+        state = load_file(str(tmp_path / "states" / f"epoch-{epoch}.safetensors"))
+        mine = {**state, "loss": torch.tensor([result["epochs"][epoch - 1]["train_loss"]])}
+        verdict = train.compare(mine, {**train.state_of(net), "loss": loss}, start, "fp32")
+        assert verdict["ok"], (epoch, verdict)
 
 
 def test_host_rss_is_the_childs_own_peak(programs, files):

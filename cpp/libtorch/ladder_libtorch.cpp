@@ -71,7 +71,7 @@ const std::map<std::string, Spec> kModels = {
 };
 
 struct ResNetImpl : torch::nn::Module {
-  explicit ResNetImpl(const Spec& s) {
+  ResNetImpl(const Spec& s, int64_t classes) {
     conv1 = register_module("conv1", conv(3, 64, 7, 2));
     bn1 = register_module("bn1", torch::nn::BatchNorm2d(64));
     int64_t in = 64;
@@ -84,7 +84,7 @@ struct ResNetImpl : torch::nn::Module {
       }
       layers.push_back(register_module("layer" + std::to_string(i + 1), layer));
     }
-    fc = register_module("fc", torch::nn::Linear(in, 1000));
+    fc = register_module("fc", torch::nn::Linear(in, classes));
   }
 
   torch::Tensor forward(const torch::Tensor& x) {
@@ -131,13 +131,14 @@ void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, cons
                            some(unexpected) + ", wrong shape " + some(mismatched));
 }
 
-// The training step of core/train.py (make_step) on `net`, which is on the device in fp32, in train mode.
-Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch) {
+// The training step of core/train.py (make_step) on `net`, which is on the device in fp32, in train mode, against
+// `labels`: core/train.py labels until a batch of data sets them (set_batch).
+Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch, std::shared_ptr<torch::Tensor> labels) {
   const double lr = a.d("lr");  // core/train.py LEARNING_RATE, through the contract
   auto optimizer = std::make_shared<torch::optim::SGD>(
       net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
-  const torch::Tensor labels = (torch::arange(batch, torch::TensorOptions(cfg.device).dtype(torch::kLong)) * 7919) %
-                               net->fc->options.out_features();
+  *labels = (torch::arange(batch, torch::TensorOptions(cfg.device).dtype(torch::kLong)) * 7919) %
+            net->fc->options.out_features();
   const std::string dtype = a.get("dtype");
   if (dtype == "fp16") throw std::runtime_error("fp16 training needs a gradient scaler, which LibTorch's C++ API lacks");
   const bool amp = dtype == "bf16";
@@ -150,7 +151,7 @@ Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch) {
       // cache of cast weights cleared (the weights change with every step)
       at::autocast::set_autocast_enabled(device_type, amp);
       if (amp) at::autocast::set_autocast_dtype(device_type, at::kBFloat16);
-      loss = torch::nn::functional::cross_entropy(net->forward(x), labels.slice(0, 0, x.size(0)));
+      loss = torch::nn::functional::cross_entropy(net->forward(x), labels->slice(0, 0, x.size(0)));
       at::autocast::set_autocast_enabled(device_type, false);
       at::autocast::clear_cache();
     }
@@ -174,9 +175,11 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap& weig
   const std::string model = a.get("model");
   auto spec = kModels.find(model);
   if (spec == kModels.end()) throw std::runtime_error("the libtorch rung implements only the ResNet family, not " + model);
+  const int64_t classes = weights.count("fc.weight") ? weights.at("fc.weight").shape[0] : 1000;
   if (a.get("task", "infer") == "train") {
-    ResNet net(spec->second);
+    ResNet net(spec->second, classes);
     long long weights_bytes = 0;
+    auto labels = std::make_shared<torch::Tensor>();
     auto rung = std::make_unique<TorchRung>(a, input, stats, Mode::kTrain, [&](const Config& cfg) -> Net {
       net->train();
       {
@@ -189,13 +192,14 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap& weig
         weights_bytes += p.numel() * 4;
       }
       stats["optimizer"] = "torch::optim::SGD (momentum 0.9, weight decay 1e-4)";
-      return training_step(net, cfg, a, a.i("batch"));
+      return training_step(net, cfg, a, a.i("batch"), labels);
     }, [net]() mutable { return state_of(*net); });
     rung->weights_bytes = weights_bytes;
+    rung->labels = labels;
     return rung;
   }
   return std::make_unique<TorchRung>(a, input, stats, Mode::kInference, [&](const Config& cfg) -> Net {
-    ResNet net(spec->second);
+    ResNet net(spec->second, classes);
     net->eval();
     load_weights(*net, weights, model);
     net->to(cfg.device, cfg.dtype);

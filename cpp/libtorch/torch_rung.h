@@ -68,6 +68,19 @@ class TorchRung : public ladder::Rung {
     });
   }
 
+  // Training on data: the batch and its labels copied into the buffers the step reads (a CUDA graph keeps them).
+  void set_batch(const HostTensor& x, const std::vector<int>& labels_in) override {
+    if (!labels) throw std::runtime_error("this rung does not train on data");
+    guarded([&] {
+      input_.copy_(torch::from_blob(const_cast<float*>(x.data.data()), x.shape, torch::kFloat));
+      labels->copy_(torch::from_blob(const_cast<int*>(labels_in.data()), {int64_t(labels_in.size())}, torch::kInt));
+    });
+  }
+  ladder::TensorMap state() override {
+    if (!state_) return ladder::Rung::state();
+    return guarded([&] { return state_(); });
+  }
+
   ladder::TensorMap result_tensors() override {
     if (!state_) return ladder::Rung::result_tensors();
     return guarded([&] {
@@ -118,6 +131,7 @@ class TorchRung : public ladder::Rung {
   }
 
   long long weights_bytes = 0;  // training: fp32 master weights (gradients and momentum are the same size)
+  std::shared_ptr<torch::Tensor> labels;  // training: the class labels the step reads, on the device
 
  private:
   // Runs `f` as every call into torch here must run: on the rung's stream (once it exists), in the rung's autograd

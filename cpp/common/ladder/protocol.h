@@ -88,6 +88,13 @@ struct Rung {
   virtual TensorMap result_tensors() { return {{"output", output_fp32()}}; }
   virtual void reset_memory_peak() {}
   virtual void report_memory(Json& memory) { (void)memory; }  // allocator peaks, workspace, activations...
+  // Training on data (--train-data): the input of the next steps (fp32 NCHW on the host, the cell's batch) and its
+  // class labels, and the parameters and floating-point buffers by name (core/train.py state_of) after them.
+  virtual void set_batch(const HostTensor& x, const std::vector<int>& labels) {
+    (void)x, (void)labels;
+    throw std::runtime_error("this rung does not train on data");
+  }
+  virtual TensorMap state() { throw std::runtime_error("this rung has no training state"); }
 };
 
 // Builds the rung from the parsed arguments, the weights and the fp32 NCHW input; records facts in build_stats.
@@ -160,6 +167,56 @@ inline long long peak_rss_bytes() {
   return -1;
 }
 
+// The loss of the last training step (the rung's fp32 output), synchronised.
+inline float last_loss(const Args& a, Rung& r) {
+  float loss = 0;
+  if (a.on_gpu()) {
+    LADDER_CUDA(cudaStreamSynchronize(r.stream()));
+    LADDER_CUDA(cudaMemcpy(&loss, r.device_output(), sizeof loss, cudaMemcpyDeviceToHost));
+  } else {
+    std::memcpy(&loss, r.device_output(), sizeof loss);
+  }
+  return loss;
+}
+
+// --train-data FILE: x [N, 3, H, W] fp32, y [N] class indices, order [epochs, steps x batch] indices into x (both
+// as fp32, exact below 2^24). Each epoch runs its steps over its batches in order, then writes the state after it to
+// --states DIR/epoch-E.safetensors; the result holds each epoch's wall time and mean loss (harness/accuracy.py).
+inline int train_on_data(const Args& a, Rung& rung, Json& result) {
+  phase("train");
+  const TensorMap data = read_safetensors(a.get("train-data"));
+  const HostTensor &x = data.at("x"), &y = data.at("y"), &order = data.at("order");
+  const int64_t batch = a.i("batch"), image = x.shape[1] * x.shape[2] * x.shape[3];
+  const int64_t epochs = order.shape[0], per_epoch = order.shape[1], steps = per_epoch / batch;
+  HostTensor xb{{batch, x.shape[1], x.shape[2], x.shape[3]}, std::vector<float>(batch * image)};
+  std::vector<int> labels(batch);
+  Json curve = Json::array();
+  for (int64_t e = 0; e < epochs; ++e) {
+    const double t = now_s();
+    double loss_sum = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t i = 0; i < batch; ++i) {
+        const int64_t idx = static_cast<int64_t>(order.data[e * per_epoch + s * batch + i]);
+        std::copy_n(x.data.begin() + idx * image, image, xb.data.begin() + i * image);
+        labels[i] = static_cast<int>(y.data[idx]);
+      }
+      rung.set_batch(xb, labels);
+      rung.forward();
+      loss_sum += last_loss(a, rung);
+    }
+    Json epoch = Json::object();
+    epoch["epoch"] = static_cast<int>(e + 1);
+    epoch["seconds"] = now_s() - t;
+    epoch["train_loss"] = steps ? loss_sum / steps : 0.0;
+    curve.push_back(epoch);
+    write_safetensors(a.get("states") + "/epoch-" + std::to_string(e + 1) + ".safetensors", rung.state());
+  }
+  result["epochs"] = curve;
+  phase("done");
+  std::ofstream(a.get("result")) << result.dump() << "\n";
+  return 0;
+}
+
 inline int run_child_impl(const Args& a, const RungFactory& factory) {
   Json result = Json::object();
   Json cold = Json::object();
@@ -177,6 +234,11 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   std::unique_ptr<Rung> rung = factory(a, weights, input, build_stats);
   cold["build_s"] = now_s() - t;
   weights.clear();
+  if (a.kv.count("train-data")) {
+    result["cold"] = cold;
+    result["build_stats"] = build_stats;
+    return train_on_data(a, *rung, result);
+  }
 
   phase("first");
   t = now_s();

@@ -115,6 +115,8 @@ class CudnnRung : public ladder::Rung {
   size_t output_bytes() const override { return net_->output_bytes(); }
   ladder::HostTensor output_fp32() override { return net_->result(1).at("output"); }  // inference's logits
   ladder::TensorMap result_tensors() override { return net_->result(setup_.parity_steps); }
+  void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) override { net_->set_batch(x, labels); }
+  ladder::TensorMap state() override { return net_->state(); }
   void reset_memory_peak() override { rung::Ledger::get().peak = rung::Ledger::get().live; }
   void report_memory(ladder::Json& memory) override {
     // Every byte of the rung is its own cudaMalloc (no caching allocator): reserved == allocated.

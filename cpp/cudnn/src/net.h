@@ -33,6 +33,12 @@ class Network {
   virtual void report_memory(ladder::Json& memory) const = 0;
   virtual ladder::Json micro(int reps) const = 0;
   virtual void reset() {}  // back to the state the build left: undoes what calls changed (a training step's update)
+  // Training on data (ladder::Rung::set_batch, state): the next steps' input and labels; the state after them.
+  virtual void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) {
+    (void)x, (void)labels;
+    throw std::runtime_error("the cudnn rung's forward does not train");
+  }
+  virtual ladder::TensorMap state() const { throw std::runtime_error("the cudnn rung's forward has no training state"); }
 };
 
 // A cuDNN pooling of one activation shape: max (padding ignored: PyTorch pads with -inf) or average (no padding).

@@ -218,8 +218,8 @@ __device__ float block_max(float v, float* shared) {
 }
 
 template <typename T>
-__global__ void cross_entropy_kernel(const T* __restrict__ logits, T* __restrict__ dlogits, int batch, int classes,
-                                     float* __restrict__ row_loss) {
+__global__ void cross_entropy_kernel(const T* __restrict__ logits, const int* __restrict__ labels,
+                                     T* __restrict__ dlogits, int batch, int classes, float* __restrict__ row_loss) {
   __shared__ float shared[32];
   const int row = blockIdx.x;
   const T* in = logits + size_t(row) * classes;
@@ -229,7 +229,7 @@ __global__ void cross_entropy_kernel(const T* __restrict__ logits, T* __restrict
   float sum = 0;
   for (int j = threadIdx.x; j < classes; j += blockDim.x) sum += expf(to_float(in[j]) - best);
   sum = block_sum(sum, shared);
-  const int label = int((int64_t(row) * 7919) % classes);  // core/train.py labels
+  const int label = labels[row];
   for (int j = threadIdx.x; j < classes; j += blockDim.x) {
     const float p = expf(to_float(in[j]) - best) / sum;
     dlogits[size_t(row) * classes + j] = from_float<T>((p - (j == label ? 1.f : 0.f)) / batch);
@@ -353,12 +353,12 @@ void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* d
   LADDER_CUDA(cudaGetLastError());
 }
 
-void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int classes, float* row_loss,
-                   float* last_loss, float* history, int* count, int capacity, cudaStream_t stream) {
+void cross_entropy(const void* logits, const int* labels, void* dlogits, Storage st, int batch, int classes,
+                   float* row_loss, float* last_loss, float* history, int* count, int capacity, cudaStream_t stream) {
   with_type(st, [&](auto t) {
     using T = decltype(t);
-    cross_entropy_kernel<T><<<batch, kThreads, 0, stream>>>(static_cast<const T*>(logits), static_cast<T*>(dlogits),
-                                                            batch, classes, row_loss);
+    cross_entropy_kernel<T><<<batch, kThreads, 0, stream>>>(static_cast<const T*>(logits), labels,
+                                                            static_cast<T*>(dlogits), batch, classes, row_loss);
   });
   loss_mean_kernel<<<1, kThreads, 0, stream>>>(row_loss, batch, last_loss, history, count, capacity);
   LADDER_CUDA(cudaGetLastError());

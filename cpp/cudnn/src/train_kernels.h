@@ -34,8 +34,8 @@ void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* d
 // Softmax cross-entropy against core/train.py's labels ((i * 7919) % classes), mean over the batch: dlogits =
 // (softmax - onehot) / batch in the storage type; the step's loss goes to last_loss and, while *count < capacity,
 // to history[*count] (then *count advances: the losses of the first steps stay, in a CUDA graph too).
-void cross_entropy(const void* logits, void* dlogits, Storage st, int batch, int classes, float* row_loss,
-                   float* last_loss, float* history, int* count, int capacity, cudaStream_t stream);
+void cross_entropy(const void* logits, const int* labels, void* dlogits, Storage st, int batch, int classes,
+                   float* row_loss, float* last_loss, float* history, int* count, int capacity, cudaStream_t stream);
 
 // db[j] = sum over the batch of dy[i, j] (the classifier's bias gradient), in the storage type.
 void column_sum(const void* dy, void* db, Storage st, int batch, int classes, cudaStream_t stream);

@@ -8,7 +8,6 @@ namespace {
 
 constexpr float kBnMomentum = 0.1f;                       // torchvision's BatchNorm2d default
 constexpr float kSgdMomentum = 0.9f, kWeightDecay = 1e-4f;  // core/train.py MOMENTUM, WEIGHT_DECAY
-constexpr int kClasses = 1000;
 constexpr int kLossHistory = 64;  // the losses of the first steps kept for the output file
 
 // f(PyTorch's KCRS offset, our KRSC offset with `padded` input channels) for each element of a [k, c, r, r] filter.
@@ -62,8 +61,9 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
     : o_(o), lr_(lr), stream_(stream) {
   const Precision& p = o_.precision;
   if (!o_.nhwc) throw std::runtime_error("the cudnn rung trains channels-last only (its BatchNorm kernels are NHWC)");
-  if (input.shape != std::vector<int64_t>{o_.batch, 3, o_.res, o_.res})
-    throw std::runtime_error("input has shape " + shape_str(input.shape) + ", expected [batch, 3, res, res]");
+  if (!weights.count("fc.weight") || weights.at("fc.weight").shape.size() != 2)
+    throw std::runtime_error("the weights file has no classifier fc.weight [classes, features]");
+  classes_ = int(weights.at("fc.weight").shape[0]);
   CUDNN_CHECK(cudnnCreate(&handle_));
   CUDNN_CHECK(cudnnSetStream(handle_, stream_));
 
@@ -99,11 +99,11 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
   const Tensor last = tensors_[x];
   pooled_ = pool(x, false, last.h, last.h, 0);
   const int features = last.c;
-  fc_w_ = param("fc.weight", {kClasses, features}, p.storage != Storage::F32);
-  fc_b_ = param("fc.bias", {kClasses}, p.storage != Storage::F32);
-  logits_ = tensor(kClasses, 1, 1);
+  fc_w_ = param("fc.weight", {classes_, features}, p.storage != Storage::F32);
+  fc_b_ = param("fc.bias", {classes_}, p.storage != Storage::F32);
+  logits_ = tensor(classes_, 1, 1);
   steps_.push_back({Kind::FcForward, 0, {pooled_}, {logits_}});
-  dlogits_ = tensor(kClasses, 1, 1);
+  dlogits_ = tensor(classes_, 1, 1);
   steps_.push_back({Kind::Loss, 0, {logits_}, {dlogits_}});
 
   steps_.push_back({Kind::FcWgrad, 0, {pooled_, dlogits_}, {}});
@@ -125,14 +125,15 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
 
   place_parameters(weights);
 
-  // Input: the contract's fp32 NCHW converted once into the storage type, NHWC (autocast's cast of the input).
+  // Input: the contract's fp32 NCHW converted once into the storage type, NHWC (autocast's cast of the input);
+  // labels: core/train.py's, until a batch of data brings its own.
   input_ = DeviceBuffer(size_t(o_.batch) * c_in_ * o_.res * o_.res * p.bytes);
   tensors_[x0].ptr = input_.get();
-  DeviceBuffer staging(input.data.size() * sizeof(float));
-  LADDER_CUDA(cudaMemcpy(staging.get(), input.data.data(), staging.bytes(), cudaMemcpyHostToDevice));
-  nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), p.storage, o_.batch, 3, o_.res, o_.res, c_in_,
-               stream_);
-  LADDER_CUDA(cudaStreamSynchronize(stream_));
+  upload_input(input);
+  std::vector<int> labels(o_.batch);
+  for (int row = 0; row < o_.batch; ++row) labels[row] = int((int64_t(row) * 7919) % classes_);
+  labels_ = DeviceBuffer(labels.size() * sizeof(int));
+  LADDER_CUDA(cudaMemcpy(labels_.get(), labels.data(), labels_.bytes(), cudaMemcpyHostToDevice));
 
   // The loss: per row, the last step's, the first steps', and how many steps ran.
   loss_ = DeviceBuffer(align_up(sizeof(float)) + align_up(size_t(o_.batch) * sizeof(float)) +
@@ -351,12 +352,12 @@ void ResNet50Train::build_kernels(ladder::Json& stats) {
     const int in = tensors_[pooled_].c, n = o_.batch;
     void *g = tensors_[pooled_].ptr, *dg = tensors_[dpooled_].ptr;
     void *logits = tensors_[logits_].ptr, *dlogits = tensors_[dlogits_].ptr;
-    fc_forward_ = std::make_unique<Linear>(p, n, in, kClasses, weights_of(fc_w_), weights_of(fc_b_), g, logits,
+    fc_forward_ = std::make_unique<Linear>(p, n, in, classes_, weights_of(fc_w_), weights_of(fc_b_), g, logits,
                                            planner.scratch(), stream_);
     // dg[N, in] = dlogits[N, out] W[out, in]; dW[out, in] = dlogits^T g (column-major: dg^T = W^T' dlogits^T...).
-    fc_dgrad_ = std::make_unique<Gemm>(p, GemmShape{false, false, in, n, kClasses, in, kClasses, in},
+    fc_dgrad_ = std::make_unique<Gemm>(p, GemmShape{false, false, in, n, classes_, in, classes_, in},
                                        weights_of(fc_w_), dlogits, dg, nullptr, planner.scratch(), stream_);
-    fc_wgrad_ = std::make_unique<Gemm>(p, GemmShape{false, true, in, kClasses, n, in, kClasses, in}, g, dlogits,
+    fc_wgrad_ = std::make_unique<Gemm>(p, GemmShape{false, true, in, classes_, n, in, classes_, in}, g, dlogits,
                                        grad_of(fc_w_), nullptr, planner.scratch(), stream_);
     workspace = std::max({planner.workspace(), fc_forward_->workspace(), fc_dgrad_->workspace(),
                           fc_wgrad_->workspace()});
@@ -442,12 +443,12 @@ void ResNet50Train::run(const Step& s) const {
     case Kind::FcDgrad: fc_dgrad_->run(stream_); break;
     case Kind::FcWgrad: fc_wgrad_->run(stream_); break;
     case Kind::FcBias:
-      column_sum(ptr(dlogits_), static_cast<char*>(grads_.get()) + params_[fc_b_].grad, p.storage, o_.batch, kClasses,
+      column_sum(ptr(dlogits_), static_cast<char*>(grads_.get()) + params_[fc_b_].grad, p.storage, o_.batch, classes_,
                  stream_);
       break;
     case Kind::Loss:
-      cross_entropy(ptr(logits_), ptr(dlogits_), p.storage, o_.batch, kClasses, row_loss_,
-                    static_cast<float*>(loss_.get()), history_, count_, kLossHistory, stream_);
+      cross_entropy(ptr(logits_), static_cast<const int*>(labels_.get()), ptr(dlogits_), p.storage, o_.batch,
+                    classes_, row_loss_, static_cast<float*>(loss_.get()), history_, count_, kLossHistory, stream_);
       break;
     case Kind::Add: {
       const auto& a = adds_[s.unit];
@@ -465,6 +466,33 @@ void ResNet50Train::issue() const {
 
 ladder::TensorMap ResNet50Train::result(int steps) const {
   if (steps > kLossHistory) throw std::runtime_error("at most " + std::to_string(kLossHistory) + " parity steps");
+  ladder::TensorMap out = state();
+  std::vector<float> losses(steps);
+  LADDER_CUDA(cudaMemcpy(losses.data(), history_, steps * sizeof(float), cudaMemcpyDeviceToHost));
+  out["loss"] = {{steps}, losses};
+  return out;
+}
+
+void ResNet50Train::upload_input(const ladder::HostTensor& x) {
+  if (x.shape != std::vector<int64_t>{o_.batch, 3, o_.res, o_.res})
+    throw std::runtime_error("input has shape " + shape_str(x.shape) + ", expected [batch, 3, res, res]");
+  DeviceBuffer staging(x.data.size() * sizeof(float));
+  LADDER_CUDA(cudaMemcpy(staging.get(), x.data.data(), staging.bytes(), cudaMemcpyHostToDevice));
+  nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), o_.precision.storage, o_.batch, 3, o_.res,
+               o_.res, c_in_, stream_);
+  LADDER_CUDA(cudaStreamSynchronize(stream_));  // before the staging buffer goes
+}
+
+void ResNet50Train::set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) {
+  if (labels.size() != size_t(o_.batch)) throw std::runtime_error("labels for another batch size");
+  for (int label : labels)
+    if (label < 0 || label >= classes_) throw std::runtime_error("label " + std::to_string(label) + " out of range");
+  LADDER_CUDA(cudaStreamSynchronize(stream_));  // the last step has read the buffers
+  upload_input(x);
+  LADDER_CUDA(cudaMemcpy(labels_.get(), labels.data(), labels_.bytes(), cudaMemcpyHostToDevice));
+}
+
+ladder::TensorMap ResNet50Train::state() const {
   LADDER_CUDA(cudaStreamSynchronize(stream_));
   auto download = [](const DeviceBuffer& b) {
     std::vector<float> host(b.bytes() / sizeof(float));
@@ -472,10 +500,7 @@ ladder::TensorMap ResNet50Train::result(int steps) const {
     return host;
   };
   ladder::TensorMap out;
-  std::vector<float> losses(steps);
-  LADDER_CUDA(cudaMemcpy(losses.data(), history_, steps * sizeof(float), cudaMemcpyDeviceToHost));
-  out["loss"] = {{steps}, losses};
-  const std::vector<float> master = download(master_), state = download(bn_state_);
+  const std::vector<float> master = download(master_), running = download(bn_state_);
   for (const Param& q : params_) {
     ladder::HostTensor t{q.shape, {}};
     if (q.padded_channels) {  // KRSC, padded -> PyTorch's KCRS
@@ -488,7 +513,7 @@ ladder::TensorMap ResNet50Train::result(int steps) const {
     out["param." + q.name] = std::move(t);
   }
   for (const BnUnit& b : bns_) {
-    const auto at = state.begin() + b.state;
+    const auto at = running.begin() + b.state;
     out["buffer." + b.name + ".running_mean"] = {{b.channels}, {at, at + b.channels}};
     out["buffer." + b.name + ".running_var"] = {{b.channels}, {at + b.channels, at + 2 * b.channels}};
   }

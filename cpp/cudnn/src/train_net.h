@@ -27,7 +27,9 @@ class ResNet50Train : public Network {
   size_t input_bytes() const override { return input_.bytes(); }
   void* output() const override { return loss_.get(); }  // the last step's loss (fp32)
   size_t output_bytes() const override { return sizeof(float); }
-  ladder::TensorMap result(int steps) const override;  // the first `steps` losses, then the state as state_of
+  ladder::TensorMap result(int steps) const override;  // the first `steps` losses, then state()
+  ladder::TensorMap state() const override;  // parameters and running statistics as core/train.py state_of
+  void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) override;
   void report_memory(ladder::Json& memory) const override;
   ladder::Json micro(int reps) const override;  // each step of the schedule timed alone
   void reset() override;  // the run's weights and statistics again, zero momentum, no step counted
@@ -62,6 +64,7 @@ class ResNet50Train : public Network {
   void run(const Step& s) const;
   std::string step_name(const Step& s) const;
   void place_parameters(const ladder::TensorMap& weights);
+  void upload_input(const ladder::HostTensor& x);  // fp32 NCHW into the input buffer: storage type, NHWC, padded
   void build_kernels(ladder::Json& stats);
 
   NetOptions o_;
@@ -69,6 +72,7 @@ class ResNet50Train : public Network {
   cudaStream_t stream_;
   cudnnHandle_t handle_ = nullptr;
   int c_in_;  // the stem's input channels (3, zero-padded to 16 bytes for tensor cores)
+  int classes_;  // the classifier's outputs, as the weights file's fc.weight has them
   std::vector<Tensor> tensors_;
   std::vector<Param> params_;
   std::vector<ConvUnit> convs_;
@@ -82,6 +86,7 @@ class ResNet50Train : public Network {
   size_t bn_scratch_floats_ = 0;
   int max_channels_ = 0;
   DeviceBuffer master_, momentum_, grads_, copies_, bn_state_, bn_scratch_, activations_, workspace_, input_, loss_;
+  DeviceBuffer labels_;  // int32 per row: core/train.py labels until set_batch
   std::vector<float> initial_master_, initial_bn_state_;  // for reset()
   std::vector<uint8_t> initial_copies_;
   float *row_loss_ = nullptr, *history_ = nullptr;
