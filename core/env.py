@@ -37,14 +37,68 @@ def nvml():
         return None
 
 
-def gpu_handle(index: int = 0):
+def gpu_handle(device: str | None = None):
+    """(pynvml, the handle of one GPU) or (None, None). `device` names it as CUDA_VISIBLE_DEVICES does (an index or
+    a UUID); by default the first GPU this process may use: NVML ignores CUDA_VISIBLE_DEVICES, so it is read here."""
     nv = nvml()
     if nv is None:
         return None, None
+    device = device or os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
     try:
-        return nv, nv.nvmlDeviceGetHandleByIndex(index)
+        return nv, (nv.nvmlDeviceGetHandleByUUID(device) if device.startswith(("GPU-", "MIG-"))
+                    else nv.nvmlDeviceGetHandleByIndex(int(device)))
     except Exception:
         return None, None
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all of the host's without it)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    nv = nvml()
+    return [str(i) for i in range(nv.nvmlDeviceGetCount())] if nv else []
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def where(device: str | None) -> dict[str, Any]:
+    """Which machine and GPU measure: the host's name, and the GPU's name, UUID and the CPUs nearest it (the cores
+    of its NUMA node, where the host says; None otherwise)."""
+    out: dict[str, Any] = {"host": socket.gethostname()}
+    nv, h = gpu_handle(device)
+    if h is None:
+        return out
+    out["gpu"] = {"name": _text(nv.nvmlDeviceGetName(h)), "uuid": _text(nv.nvmlDeviceGetUUID(h))}
+    try:
+        bus = _text(nv.nvmlDeviceGetPciInfo(h).busId).lower()[-12:]  # domain:bus:device.function, as sysfs names it
+        node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+        out["numa_cpus"] = (cpu_list(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
+                            if node >= 0 else None)
+    except Exception:  # NVML without PCI info, no sysfs entry, or no NUMA: no pinning
+        out["numa_cpus"] = None
+    return out
+
+
+def cpu_text(cpus) -> str:
+    """[0, 1, 2, 3, 8] as '0-3,8' (the kernel's cpulist format)."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' as [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus += range(int(low), int(high or low) + 1)
+    return cpus
 
 
 def _version(module: str) -> str | None:

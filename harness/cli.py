@@ -14,6 +14,7 @@ from core.cell import DTYPES, TASKS
 from core.model import CLASSIFIERS
 from harness import accuracy, compare, ladder, listing, micro, report
 from harness.contract import Protocol
+from harness.executor import EXECUTORS
 from harness.plan import LadderConfig
 from harness.refusal import Refusal
 from tiers import all_tiers
@@ -127,6 +128,11 @@ def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
     lad.add_argument("--isolation", choices=("rung", "cell"), default="rung",
                      help="rung: one process per rung measures its cells in turn, caches kept (default, fast); "
                           "cell: a fresh process with fresh caches for every cell (strict, slow)")
+    lad.add_argument("--executor", choices=EXECUTORS, default="local",
+                     help="local: this host, one rung's process per GPU at a time (every GPU of the host); ray: each "
+                          "rung's cells a Ray task reserving one GPU (pip install -e '.[ray]')")
+    lad.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                     help="--executor ray: the cluster to join (default: start one on this host)")
     lad.add_argument("--retune", action="store_true",
                      help="ignore the tuning choices shipped for this GPU (Triton configs, cuDNN engines): search "
                           "them cold and keep them in the run's cache")
@@ -252,7 +258,7 @@ def ladder_config(args: argparse.Namespace) -> LadderConfig:
                         precision=args.precision, util_s=args.util_s, e2e_iters=args.e2e_iters,
                         timeout_s=args.timeout)
     shared = ("command", "model", "task", "tiers", "batch", "res", "dtype", "layout", "cuda_graph", "compile_mode",
-              "option", "device", "isolation", "retune", "isolation_check", "jobs", "host_probe", "out", "rerun",
+              "option", "device", "isolation", "executor", "ray_address", "retune", "isolation_check", "jobs", "host_probe", "out", "rerun",
               "json", "markdown", "csv", "wide", "argv")
     return LadderConfig(protocol=protocol, **{k: getattr(args, k) for k in shared})
 

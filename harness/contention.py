@@ -43,8 +43,8 @@ def _busy_ticks() -> int:
     return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
 
 
-def gpu_process_pids() -> list[int] | None:
-    nv, h = gpu_handle()
+def gpu_process_pids(gpu: str | None = None) -> list[int] | None:
+    nv, h = gpu_handle(gpu)
     if h is None:
         return None
     try:
@@ -57,14 +57,14 @@ class Contention:
     """Snapshots at the start and end of a cell's timed phases: CPU time of processes outside the ladder's own
     tree, and processes outside it on the GPU (NVML)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: str | None = None) -> None:
+        self.gpu = gpu  # the GPU the cell runs on (CUDA_VISIBLE_DEVICES's name; None: this process's first)
         self.start: tuple | None = None
         self.result: dict[str, Any] | None = None
 
-    @staticmethod
-    def snapshot() -> tuple:
+    def snapshot(self) -> tuple:
         ours = process_tree(os.getpid())
-        return time.perf_counter(), _busy_ticks(), sum(ours.values()), set(ours), gpu_process_pids()
+        return time.perf_counter(), _busy_ticks(), sum(ours.values()), set(ours), gpu_process_pids(self.gpu)
 
     def begin(self) -> None:
         self.start = self.snapshot()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,8 @@ class Context:
     peak_tflops: dict | None = None
     tunings: str | None = None         # GPU slug whose shipped tunings apply, None under --retune
     isolation_check: str = "warn"      # 'warn': flag a contended cell; 'error': also refuse it
+    gpu: str | None = None             # the GPU its children run on, as CUDA_VISIBLE_DEVICES names it (None: all)
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # Ctrl-C, for children on threads
     on_phase: Callable[[Cell, str], None] = lambda cell, phase: None
     prepared: dict[str, dict] = dataclasses.field(default_factory=dict)  # cell key -> prepare facts
 

@@ -4,6 +4,7 @@ the prepare stage and then each rung's cells with live progress, and writes the 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import signal
 import sys
@@ -17,13 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from core import proc as procs
 from core.cell import Cell
-from core.env import default_device, device_slug, environment
+from core.env import default_device, device_slug, environment, visible_gpus, where
 from core.files import write_text_atomic
 from core.paths import REPO
 from harness import report
 from harness.context import Context
 from harness.host_noise import host_cpu_probe
-from harness.measure import measure_cells, ordered
+from harness.executor import run_units
+from harness.measure import ordered
 from harness.plan import LadderConfig, check_output_paths, command_line, fitting, plan, run_identity
 from harness.prepare import prepare
 from harness.record import document
@@ -61,6 +63,10 @@ def run_stages(config: LadderConfig) -> int:
     suffix = ("-sweep" if config.command == "sweep" else "") + ("-train" if config.task == "train" else "")
     config.out = (config.out or Path("runs") / f"{config.model}-{device}{suffix}").resolve()
     cells = plan(config, device)
+    if config.executor == "ray" and importlib.util.find_spec("ray") is None:
+        raise Refusal("--executor ray: Ray is not installed here: pip install -e '.[ray]'")
+    if config.ray_address and config.executor != "ray":
+        raise Refusal("--ray-address is for --executor ray")
     try:
         check_output_paths(config)
         run_dir = RunDir(config.out, config.model, device)
@@ -121,15 +127,20 @@ def run_metadata(run_dir: RunDir, config: LadderConfig, device: str, console: Co
     if device == "cuda":
         with console.status("measuring the GPU's matmul peak (cuBLAS)"):
             meta["peak_tflops"]["measured"] = matmul_peak(run_dir)
+            gpus = visible_gpus() if config.executor == "local" else []
+            if len(gpus) > 1:  # cells spread over them: a speed-up across two GPUs must know if they differ
+                meta["peak_tflops"]["per_gpu"] = {where(g)["gpu"]["uuid"]: matmul_peak(run_dir, g) for g in gpus}
     write_text_atomic(meta_path, json.dumps(meta, indent=1))
     return meta
 
 
-def matmul_peak(run_dir: RunDir) -> dict[str, float]:
-    """cuBLAS's dense matmul rate per dtype, in a process of its own (the parent keeps no CUDA context)."""
+def matmul_peak(run_dir: RunDir, gpu: str | None = None) -> dict[str, float]:
+    """cuBLAS's dense matmul rate per dtype on `gpu` (CUDA_VISIBLE_DEVICES's name; None: the first), in a process
+    of its own (the parent keeps no CUDA context)."""
     peak_file = run_dir.path / "peak.json"
     proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
-                     env=procs.child_env(), capture_output=True, text=True)
+                     env=procs.child_env(**({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})), capture_output=True,
+                     text=True)
     if proc.returncode != 0:
         raise Refusal(f"measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}", status=1)
     return json.loads(peak_file.read_text())["tflops"]
@@ -167,8 +178,7 @@ def measure(ctx: Context, todo: list[Cell], records: dict[str, dict], config: La
                                            overflow="ellipsis", style=None if rec["status"] == "ok" else "red")
                 progress.advance(task)
 
-            for tier_cells in groups.values():
-                measure_cells(ctx, tier_cells, on_record)
+            run_units(ctx, list(groups.values()), on_record, config.executor, config.ray_address)
         except KeyboardInterrupt:  # the cell in flight is recorded as interrupted; every finished one is kept
             return True, builds
     return False, builds

@@ -33,6 +33,8 @@ class LadderConfig:
     option: list[tuple[str, str, str]] = field(default_factory=list)  # (rung, key, value)
     device: str | None = None
     isolation: str = "rung"
+    executor: str = "local"  # where the rungs' processes run (harness/executor.py)
+    ray_address: str | None = None  # --executor ray: an existing cluster ('auto', HOST:PORT); None starts one here
     retune: bool = False
     isolation_check: str = "warn"
     protocol: Protocol = field(default_factory=Protocol)

@@ -32,6 +32,9 @@ DEFINITIONS = {
               "ran), 'contended' (measured beside another busy process under --isolation-check error; timings "
               "withheld), 'unavailable' (rung cannot run here), 'skipped' (rung does not implement this "
               "configuration); 'reason' says why. A rerun keeps ok, parity-fail and skipped and tries the rest again",
+    "where": "what measured the cell: host (its name), gpu (NVML name and UUID of the GPU its child ran on, and "
+             "where a local run spread over several GPUs its measured matmul_tflops per dtype), cpu_affinity (the "
+             "child's CPUs, a cpulist: its GPU's NUMA node where the host says, else every CPU)",
     "isolation": "'rung': one process per rung measured its cells in turn, caches kept between processes; 'cell': "
                  "a fresh process with fresh caches per cell",
     "start": "what the cell's first result had: 'cold' (fresh process, empty caches), 'warm-start' (fresh process, "

@@ -45,6 +45,22 @@ def mixes_host_draws(base: dict | None, r: dict) -> bool:
     return base is not None and base.get("run") != r.get("run") and "host" in (bound(base), bound(r))
 
 
+CROSS_GPU = "‡"  # marks a speed-up whose two figures come from two GPUs that differ (mixes_gpus)
+PEAK_SPREAD = 0.03  # matmul rates further apart than this make two GPUs of one model different machines
+
+
+def mixes_gpus(base: dict | None, r: dict) -> bool:
+    """Whether r's speed-up over eager divides figures of two GPUs of different models, or of one model whose
+    measured matmul rates in the cell's dtype differ by more than PEAK_SPREAD."""
+    a, b = ((x or {}).get("where", {}).get("gpu") for x in (base, r))
+    if not a or not b or a["uuid"] == b["uuid"]:
+        return False
+    if a["name"] != b["name"]:
+        return True
+    pa, pb = ((g.get("matmul_tflops") or {}).get(r["dtype"]) for g in (a, b))
+    return bool(pa and pb) and abs(pa / pb - 1) > PEAK_SPREAD
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
@@ -77,7 +93,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if speed else "",
             "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
             "vs eager": (_fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
-                         if vs_eager else ""),
+                         + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
             "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed else "",
@@ -210,9 +226,13 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     lines += pivot_markdown(doc["results"])
     table = rows(doc["results"])
     lines += ["## Every cell", ""] + markdown_table(drop_empty_columns(table))
-    if any(row["vs eager"].endswith(CROSS_RUN) for row in table):
+    if any(CROSS_RUN in row["vs eager"] for row in table):
         lines += ["", f"{CROSS_RUN} this rung and eager come from different runs and one of the two is host-bound: "
                   "the speed-up divides two draws of the host's speed. Compare such cells within one run."]
+    if any(CROSS_GPU in row["vs eager"] for row in table):
+        lines += ["", f"{CROSS_GPU} this rung and eager ran on two GPUs of different models, or whose measured "
+                  f"matmul rates differ by more than {PEAK_SPREAD:.0%}: the speed-up divides two machines. Compare "
+                  "such cells on one GPU."]
     lines += ["", how_to_read(any(r["device"] == "cuda" for r in doc["results"])), ""]
     for caption, rel in plots:
         lines += [f"## {caption}", "", f"![{caption}]({rel})", ""]
@@ -254,22 +274,23 @@ CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, pl
     "time_to_first_result_s": "cold.time_to_first_result_s", "allocator_peak_bytes": "memory.allocator_peak_bytes",
     "nvml_process_peak_bytes": "memory.nvml_process_peak_bytes", "rss_peak_bytes": "memory.rss_peak_bytes",
     "img_per_joule": "utilisation.img_per_joule", "parity_ok": "parity.ok", "parity_rel_err": "parity.rel_err",
+    "host": "where.host", "gpu": "where.gpu.name", "gpu_uuid": "where.gpu.uuid",
 }
 
 
 def to_csv(doc: dict) -> str:
     """Machine-readable: one row per record, numbers unformatted, plus the speed-up over eager and whether it
-    divides two runs' host-bound draws (mixes_host_draws)."""
+    divides two runs' host-bound draws (mixes_host_draws) or two different GPUs (mixes_gpus)."""
     records = doc["results"]
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run"])
+    w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run", "speedup_cross_gpu"])
     for r in records:
         r = {**r, "layout": r.get("layout") or layout_name(r["channels_last"]), "bound": bound(r),
              "task": r.get("task", "infer")}
         base = eager_baseline(records, r)
         w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
-                   + [_fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r)])
+                   + [_fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r), mixes_gpus(base, r)])
     return buf.getvalue()
 
 

@@ -10,9 +10,9 @@ from core.stats import median
 from harness.contract import TIMED_PHASES
 
 
-def device_memory_used() -> int | None:
-    """Device memory in use now (NVML), the baseline when NVML has no per-process figure."""
-    nv, h = gpu_handle()
+def device_memory_used(gpu: str | None = None) -> int | None:
+    """Device memory in use now on `gpu` (NVML), the baseline when NVML has no per-process figure."""
+    nv, h = gpu_handle(gpu)
     return None if h is None else nv.nvmlDeviceGetMemoryInfo(h).used
 
 
@@ -21,13 +21,13 @@ class Sampler(threading.Thread):
     (per-process accounting), device memory in use, GPU utilisation, SM clock and board energy, tagged with the
     child's cell and phase."""
 
-    def __init__(self, pid: int, period: float = 0.02) -> None:
+    def __init__(self, pid: int, gpu: str | None = None, period: float = 0.02) -> None:
         super().__init__(daemon=True)
         self.pid, self.period = pid, period
         self.cell, self.phase = 0, "start"
         self.samples: list[dict[str, Any]] = []
         self.stop = threading.Event()
-        self.nv, self.handle = gpu_handle()
+        self.nv, self.handle = gpu_handle(gpu)
 
     def run(self) -> None:
         if self.handle is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Callable
 
 from core import proc as procs
 from core.cell import Cell, Unavailable
-from core.env import utc_now
+from core.env import cpu_text, utc_now, where
 from core.files import write_text_atomic
 from core.paths import REPO
 from harness.contention import Contention
@@ -68,7 +69,11 @@ class ChildRun:
         self.phases: dict[int, list[tuple[str, float]]] = collections.defaultdict(list)
         self.errors: dict[int, str] = {}
         self.contention: dict[int, dict | None] = {}
-        self.check = Contention()
+        self.check = Contention(ctx.gpu)
+        self.where = where(ctx.gpu)  # this host, the cell's GPU and the CPUs nearest it
+        per_gpu = (ctx.peak_tflops or {}).get("per_gpu") or {}
+        if "gpu" in self.where and self.where["gpu"]["uuid"] in per_gpu:  # several GPUs: this one's own rate
+            self.where["gpu"]["matmul_tflops"] = per_gpu[self.where["gpu"]["uuid"]]
 
     def run(self) -> int:
         jobs = self.jobs()
@@ -137,10 +142,12 @@ class ChildRun:
         stderr_path = cell_dir(self.ctx.run, self.cells[0]) / "stderr.txt"
         oom_before = cgroup_oom_kills()
         with open(stderr_path, "w") as err:
-            baseline = device_memory_used()
-            proc = procs.popen(argv, cwd=REPO, env=procs.child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                               stderr=err, text=True)
-            self.sampler = sampler = Sampler(proc.pid)
+            baseline = device_memory_used(self.ctx.gpu)
+            pinned = {"CUDA_VISIBLE_DEVICES": self.ctx.gpu} if self.ctx.gpu else {}
+            proc = procs.popen(argv, cwd=REPO, env=procs.child_env(PYTHONUNBUFFERED="1", **pinned),
+                               stdout=subprocess.PIPE, stderr=err, text=True)
+            self.where["cpu_affinity"] = self.pin(proc.pid)
+            self.sampler = sampler = Sampler(proc.pid, self.ctx.gpu)
             sampler.start()
             reader = threading.Thread(target=lambda: [self.line(line.rstrip("\n")) for line in proc.stdout],
                                       daemon=True)
@@ -154,6 +161,16 @@ class ChildRun:
         oom_killed = oom_before is not None and oom_after is not None and oom_after > oom_before
         return Ended(proc.returncode, baseline, tail, timed_out, interrupted, oom_killed)
 
+    def pin(self, pid: int) -> str | None:
+        """The child's CPUs: the cores of its GPU's NUMA node where the host says which (its threads, started
+        later, inherit them), as a cpulist; None where the platform cannot say."""
+        try:
+            if self.where.get("numa_cpus"):
+                os.sched_setaffinity(pid, self.where["numa_cpus"])
+            return cpu_text(os.sched_getaffinity(pid))
+        except (AttributeError, OSError):  # not Linux, or the child already gone
+            return None
+
     def wait(self, proc: subprocess.Popen) -> tuple[bool, bool]:
         """Until the child exits, its cell runs past the timeout, or Ctrl-C / SIGTERM: (timed out, interrupted).
         The child runs in its own session, so the parent ends its whole group."""
@@ -162,6 +179,9 @@ class ChildRun:
             while proc.poll() is None:
                 if time.time() - self.cell_started > self.ctx.protocol.timeout_s:
                     timed_out = True
+                    break
+                if self.ctx.stop.is_set():  # Ctrl-C reached the ladder while this child ran on another thread
+                    interrupted = True
                     break
                 time.sleep(0.05)
         except KeyboardInterrupt:
@@ -201,6 +221,7 @@ class ChildRun:
         end = min(ends) if ends else time.time()
         record["wall_s"] = end - (began[0] if began else self.t_start)
         record["isolation"] = self.ctx.isolation
+        record["where"] = {k: v for k, v in self.where.items() if k != "numa_cpus"}
         record["process_position"] = i  # cells this process measured before this one
         # Where the cell's wall time went, phase by phase ('start': process start and imports, or the step since
         # the previous cell)

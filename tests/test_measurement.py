@@ -170,6 +170,28 @@ def test_parity_on_the_ladder_weights_tells_another_input_from_rounding(model, r
         assert verdict["ok"] and verdict["rel_err"] < TOLERANCES[dtype]["rel_err"] / 2, (dtype, verdict)
 
 
+def test_speedups_dividing_two_different_gpus_are_marked():
+    """A speed-up over eager is marked where eager and the rung ran on GPUs of different models, or of one model
+    whose measured matmul rates differ by more than 3%; one GPU, or two alike, stay unmarked."""
+    def on(uuid, name="NVIDIA H100", tflops=None):
+        return {"host": "h", "gpu": {"name": name, "uuid": uuid, **({"matmul_tflops": {"bf16": tflops}}
+                                                                   if tflops else {})}}
+
+    cases = [  # (eager's GPU, the rung's GPU, marked?)
+        (on("GPU-a"), on("GPU-a"), False),
+        (on("GPU-a"), on("GPU-b"), False),  # same model, rates not measured: nothing says they differ
+        (on("GPU-a", tflops=790), on("GPU-b", tflops=780), False),
+        (on("GPU-a", tflops=790), on("GPU-b", tflops=740), True),
+        (on("GPU-a"), on("GPU-b", name="NVIDIA H200"), True),
+    ]
+    for base_gpu, rung_gpu, marked in cases:
+        eager, rung = record(latency_ms=2.0, where=base_gpu), record(tier="cudnn", latency_ms=1.0, where=rung_gpu)
+        row = report.rows([eager, rung])[1]
+        assert row["vs eager"] == "2.00x" + ("‡" if marked else ""), (base_gpu, rung_gpu)
+        assert ("‡ this rung and eager ran on two GPUs" in report.markdown(
+            records.document([eager, rung], {"cpu": "x"}, {}))) == marked
+
+
 def test_the_terminal_table_tells_two_resolutions_apart():
     from rich.console import Console
 
