@@ -100,5 +100,13 @@ class Built:
     stats: dict[str, Any] = field(default_factory=dict)  # build facts: graph breaks, export size, ...
     uses_torch_allocator: bool = True  # whether torch.cuda.max_memory_allocated covers its memory
     captured: bool = False  # whether forward already replays the rung's own CUDA graph (cuda_graph cells)
+    # A context in which forward marks each layer's work as a profiler range named core.layers.SCOPE + its module
+    # path, for the census (eager: hooks on its module; triton: its own launches). None where that would change
+    # what runs (hooks make torch.compile recompile).
+    layer_scopes: Callable[[], Any] | None = None
+    # Where the rung has a profiler of its own (ONNX Runtime's): makes a profiling twin of forward and returns
+    # (forward, finish); finish() ends that profile and returns its ranges as Chrome trace events (harness/census.py
+    # LAYER, BASIS in their args), their ts in µs since the epoch.
+    profiled: Callable[[], tuple[Callable[[Any], Any], Callable[[], list[dict]]]] | None = None
     # Training only: the model's parameters and buffers by name (fp32, on the CPU), read after the parity steps.
     state: Callable[[], dict[str, Any]] | None = None

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from core.cell import DTYPES, TASKS
+from core.env import default_device
 from core.model import CLASSIFIERS
 from harness import accuracy, compare, ladder, listing, micro, report
 from harness.contract import Protocol
@@ -204,16 +205,14 @@ def parser() -> argparse.ArgumentParser:
                      help="smallest change called a regression or an improvement (default 3%%)")
     cmp.add_argument("--markdown", type=Path, help="write the comparison as markdown here")
 
-    mic = sub.add_parser("micro", help="per-layer microbenchmark of a hand-written rung")
-    mic.add_argument("--tier", required=True, choices=[t for t, v in all_tiers().items() if v.has_micro])
-    mic.add_argument("--batch", type=_positive_int, default=32)
-    mic.add_argument("--res", type=_positive_int, default=224)
-    mic.add_argument("--dtype", choices=DTYPES, default="bf16")
-    mic.add_argument("--layout", choices=("nchw", "nhwc"), default="nhwc")
-    mic.add_argument("--task", choices=TASKS, default="infer",
-                     help="infer: the forward's layers; train: every step of the training schedule, per pass")
-    mic.add_argument("--json", type=Path)
-    mic.add_argument("--markdown", type=Path)
+    mic = sub.add_parser("micro", parents=[lad], help="where each rung's time goes: --tiers A,B,...: each rung's "
+                         "kernel census side by side, by layer group; --tier NAME: a hand-written rung's per-layer "
+                         "microbenchmark")
+    mic.add_argument("--tier", choices=[t for t, v in all_tiers().items() if v.has_micro],
+                     help="a hand-written rung's per-layer microbenchmark against cuDNN and Inductor (one batch, "
+                     "default 32; res 224, bf16, nhwc; --task train: every step of its training schedule, per pass)")
+    mic.add_argument("--census-steps", type=_positive_int, default=micro.CENSUS_STEPS,
+                     help="calls profiled per cell in the census pass (default %(default)s)")
 
     rep = sub.add_parser("report", help="re-render (and merge) results.jsonl or JSON files")
     rep.add_argument("inputs", type=Path, nargs="+")
@@ -263,6 +262,32 @@ def ladder_config(args: argparse.Namespace) -> LadderConfig:
     return LadderConfig(protocol=protocol, **{k: getattr(args, k) for k in shared})
 
 
+def micro_command(args: argparse.Namespace) -> int:
+    """One configuration: a hand-written rung's per-layer table (--tier), or the census of each rung (--tiers)."""
+    if (args.tier is None) == (args.tiers is None):
+        raise Refusal("give --tier NAME (a hand-written rung's per-layer microbenchmark) or --tiers A,B,... (each "
+                      "rung's kernel census side by side)")
+    for flag in ("batch", "res", "dtype"):
+        if len(getattr(args, flag) or []) > 1:
+            raise Refusal(f"--{flag}: micro measures one configuration; give one value")
+    if args.layout == "both":
+        raise Refusal("--layout: micro measures one layout; give nchw or nhwc")
+    gpu = (args.device or default_device()) == "cuda"
+    one = {"batch": (args.batch or [256 if args.tiers else 32])[0], "res": (args.res or [224 if gpu else 64])[0],
+           "dtype": (args.dtype or ["bf16" if gpu else "fp32"])[0]}
+    if args.tier:
+        micro.run(args.tier, one["batch"], one["res"], one["dtype"], args.layout != "nchw", args.task, args.json,
+                  args.markdown)
+        return 0
+    config = ladder_config(args)
+    config.batch, config.res, config.dtype = [one["batch"]], [one["res"]], [one["dtype"]]
+    config.json = config.markdown = config.csv = None  # --json, --markdown: the census's files
+    config.protocol.census_steps = args.census_steps
+    config.out = args.out or Path("runs") / (f"micro-{args.model}-{'cuda' if gpu else 'cpu'}-b{one['batch']}-"
+                                              f"{one['dtype']}{'-train' if args.task == 'train' else ''}")
+    return micro.census_run(config, args.json, args.markdown)
+
+
 def accuracy_config(args: argparse.Namespace) -> accuracy.AccuracyConfig:
     return accuracy.AccuracyConfig(**{k: v for k, v in vars(args).items() if k != "command"})
 
@@ -271,8 +296,7 @@ COMMANDS = {
     "ladder": lambda a: ladder.run(ladder_config(a)),
     "sweep": lambda a: ladder.run(ladder_config(a)),
     "tiers": lambda a: listing.show(),
-    "micro": lambda a: micro.run(a.tier, a.batch, a.res, a.dtype, a.layout == "nhwc", a.task, a.json,
-                                  a.markdown) or 0,
+    "micro": lambda a: micro_command(a),
     "report": lambda a: report.rerender(a.inputs, a.json, a.markdown, a.csv, a.wide) or 0,
     "compare": lambda a: compare.run(a.runs, a.threshold, a.markdown),
     "train-to-accuracy": lambda a: accuracy.run(accuracy_config(a)) or 0,

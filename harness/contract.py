@@ -10,13 +10,19 @@ from pathlib import Path
 from core import train
 from core.cell import Cell
 
-# The phases a child announces, in order (`@@phase NAME`); `hot` follows `after` in the cell that measures the hot
-# start. The parent keeps NVML and /proc out of TIMED_PHASES.
+# The phases a child announces, in order (`@@phase NAME`); `census` follows `util` when --census-steps is above 0,
+# and `hot` follows `after` in the cell that measures the hot start. The parent keeps NVML and /proc out of
+# TIMED_PHASES.
 PHASES = ("load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done")
 TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
 # The keys of a measured cell's result file (--result).
 RESULT_KEYS = frozenset({"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory",
                          "util", "rss_peak_bytes"})
+# With --census-steps N above 0, the census pass (after util, outside every timing): N calls, each in a range named
+# CENSUS_STEP and synchronised, profiled into the Chrome trace at --census; the result then holds CENSUS_KEYS under
+# "census" (steps; source: the profiler; module_scopes: whether the layers' ranges are the rung's own).
+CENSUS_STEP = "census:step"
+CENSUS_KEYS = frozenset({"steps", "source", "module_scopes"})
 # A training rung's program trained on data (train-to-accuracy, harness/accuracy.py): --train-data FILE (x, y,
 # order) and --states DIR in place of the timed phases; it announces these phases and writes these result keys
 # (`epochs`: each epoch's number, seconds and mean train loss), and DIR/epoch-E.safetensors after each epoch.
@@ -42,6 +48,7 @@ class Protocol:
     pipelined_s: float = 0.25
     e2e_iters: int = 3
     util_s: float = 0.3
+    census_steps: int = 0  # the census pass's calls (python -m harness micro --tiers); 0: no census
     timeout_s: float = 900.0  # the parent's, not the child's: a cell without a result after this is killed
 
     def args(self) -> list[str]:

@@ -29,7 +29,7 @@ def _layout(r: dict) -> str:
 def _where(doc: dict) -> str:
     env = doc.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name")
-    models = ", ".join(sorted({r["model"] for r in doc["results"]}))
+    models = doc.get("model") or ", ".join(sorted({r["model"] for r in doc["results"]}))
     return f"{models} on {gpu or 'CPU: ' + str(env.get('cpu') or 'unknown')}"
 
 
@@ -319,3 +319,43 @@ def write_plots(doc: dict, directory: Path) -> list[tuple[str, Path]]:
         if path:
             written.append((caption, path))
     return written
+
+
+def census_groups(doc: dict, path: Path) -> Path | None:
+    """`micro --tiers`: one stacked bar per rung, its kernels' time per call by layer group, with the call's measured
+    latency beside it (what the kernels leave unexplained is the host's); and the same bars as shares of each
+    rung's kernel time, where rungs of very different speed still compare."""
+    rungs = doc["census"]
+    if not rungs:
+        return None
+    plt = _pyplot()
+    groups = list(dict.fromkeys(g["group"] for r in rungs for g in r["groups"]))
+    cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
+    fig, (ms_ax, share_ax) = plt.subplots(1, 2, figsize=(max(9.0, 2.2 * len(rungs) + 4), 4.8))
+    call = "step" if doc["task"] == "train" else "forward"
+    named: set[str] = set()  # each group once in the legend
+    for x, r in enumerate(rungs):
+        bottom = share = 0.0
+        for g in r["groups"]:
+            colour = cmap(groups.index(g["group"]) % cmap.N)
+            ms_ax.bar(x, g["ms"], bottom=bottom, width=0.6, color=colour,
+                      label=None if g["group"] in named else g["group"])
+            part = 100 * g["ms"] / r["kernel_ms"] if r["kernel_ms"] else 0.0
+            share_ax.bar(x, part, bottom=share, width=0.6, color=colour)
+            named.add(g["group"])
+            bottom += g["ms"]
+            share += part
+        if r.get("measured_ms"):
+            ms_ax.plot([x - 0.4, x + 0.4], [r["measured_ms"]] * 2, "k--", lw=1.2,
+                       label=f"measured latency per {call} (median)" if x == 0 else None)
+    for ax in (ms_ax, share_ax):
+        ax.set_xticks(range(len(rungs)), [r["label"] for r in rungs], rotation=20 if len(rungs) > 3 else 0)
+        ax.grid(True, axis="y", alpha=0.3)
+    unit = "kernels" if rungs[0]["unit"].startswith("GPU") else "CPU operators"
+    ms_ax.set_ylabel(f"ms per {call}: {unit}' time by layer group")
+    ms_ax.set_title("time", fontsize=10)
+    share_ax.set_ylabel(f"% of the rung's {unit}' time")
+    share_ax.set_title("share", fontsize=10)
+    fig.suptitle(textwrap.fill(f"{_where(doc)}, batch {doc['batch']}, {doc['dtype']}: where each rung's time goes",
+                               90), fontsize=10)
+    return _save(fig, path)

@@ -11,8 +11,10 @@ from core import train
 from core.cell import Cell
 from core.env import source_revision, utc_now
 from core.flops import flops_per_image
+from core.layers import convolutions, flops_per_group
 from core.parity import compare
 from core.stats import summarize
+from harness import census
 from harness.contention import describe
 from harness.context import Context
 from harness.rundir import cell_dir
@@ -25,6 +27,12 @@ HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (
 
 # What every figure of a record means; shipped inside every JSON file so it reads on its own.
 DEFINITIONS = {
+    "census": "the kernel census of the cell's census pass (python -m harness micro --tiers; after every timed "
+              "phase): unit (GPU kernels; on the CPU operators by self time), steps profiled, wall_ms (a step's "
+              "wall time, synchronised), busy_ms (time at least one kernel ran), kernel_ms (the kernels' summed "
+              "time per step), host_gaps_ms (wall - busy: the host's cost), kernels_per_step, attribution (share of "
+              "kernel time per basis: harness/census.py), groups and layers (ms, kernels and TFLOP/s per step), "
+              "kernels (launches per step, total_ms per step, median_us, share), trace (the Chrome trace)",
     "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
               "withheld), 'crashed' (killed by a signal or a non-zero exit), 'oom' (an allocator refused, or the "
               "kernel's OOM killer), 'timeout' (no result within --timeout), 'error' (an exception, a failed build "
@@ -162,6 +170,8 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     record["build_stats"] = raw["build_stats"]
     record["interpreted"] = bool(raw["build_stats"].get("interpreted"))
     record["hot_start"] = raw.get("hot_start")
+    if ctx.protocol.census_steps:
+        record["census"] = census_of(ctx, cell, raw.get("census") or {"error": "the child made no census"})
     record["stream"] = raw["stream"]
     nvml = record.pop("nvml")
     record["memory"] = {**raw["memory"], **{k: nvml[k] for k in ("nvml_process_peak_bytes", "nvml_source")
@@ -181,6 +191,19 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
         return record
     record.update(status=DONE, **timings(ctx, cell, raw))
     return record
+
+
+def census_of(ctx: Context, cell: Cell, raw: dict) -> dict:
+    """The census from the trace the child wrote (its path relative to the run directory), or why there is none."""
+    if raw.get("error"):
+        return raw
+    trace = cell_dir(ctx.run, cell) / "census.trace.json"
+    try:
+        summary = census.summarise(census.load(trace), convolutions(cell.model), flops_per_group(cell.model, cell.res),
+                                   cell.batch, cell.task == "train")
+    except (OSError, ValueError, KeyError) as e:
+        return {**raw, "error": f"{type(e).__name__}: {e}"}
+    return {**raw, **summary, "trace": str(trace.relative_to(ctx.run.path))}
 
 
 def timings(ctx: Context, cell: Cell, raw: dict) -> dict[str, Any]:

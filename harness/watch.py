@@ -36,7 +36,7 @@ class Job:
     """One cell's part of the child's command line."""
 
     cell: Cell
-    files: dict[str, Path]  # weights, input, output, result
+    files: dict[str, Path]  # weights, input, output, result (and census: the census pass's trace)
     extra: dict[str, str]   # cache-dir, tunings, hot-start
 
 
@@ -97,8 +97,11 @@ class ChildRun:
             cdir = cell_dir(run, cell)
             files = {"weights": run.weights_for(cell.task), "input": run.input(cell.batch, cell.res),
                      "output": cdir / "output.safetensors", "result": cdir / "result.json"}
-            for p in (files["output"], files["result"]):
-                p.unlink(missing_ok=True)
+            if self.ctx.protocol.census_steps:
+                files["census"] = cdir / "census.trace.json"
+            for k in ("output", "result", "census"):  # what this cell's child writes
+                if k in files:
+                    files[k].unlink(missing_ok=True)
             # The hot start (a new batch size in the same process) is a deployment's question; training keeps one.
             hot = "1" if i == 0 and self.tier.batch_change and cell.task == "infer" else "0"
             jobs.append(Job(cell, files, {**self.ctx.store_args(self.store), "hot-start": hot}))

@@ -26,6 +26,7 @@ from core.memory import proc_bytes
 from core.model import load_model, read_tensor
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.stats import median, median_ci_rel
+from harness import profile
 from harness.contract import CELL, ERROR, PHASE, cell_of, parse_argv
 from tiers import get_tier
 
@@ -299,6 +300,11 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
 
     phase("util")
     result["util"] = util_pass(forward, example, sync, float(kv["util-s"]))
+
+    if int(kv.get("census-steps", 0)):  # the kernel census (harness/census.py reads its trace in the parent)
+        phase("census")
+        result["census"] = profile.record(built, example, sync, int(kv["census-steps"]), Path(kv["census"]),
+                                          cell.device == "cuda", scoped=not cell.cuda_graph)
 
     phase("after")  # rung facts that need the measured state (guard cost); outside every timing
     result["build_stats"] = {**built.stats, **tier.after(built, example, cell)}

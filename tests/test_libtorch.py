@@ -128,6 +128,35 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
         assert r["warmup"]["iters"] == TINY.warmup_min  # --warmup-s elapsed during the first call
 
 
+def test_census_pass_is_the_same_in_both_protocol_implementations(programs, files):
+    """With --census-steps, both drivers add the census phase after util, outside every timing, and write a trace
+    the one parser reads: eager's layers by its module scopes, libtorch's by its convolutions in order."""
+    import sys
+
+    from core.layers import convolutions
+    from harness import census
+    from harness.contract import CENSUS_KEYS
+
+    traced = dataclasses.replace(TINY, census_steps=2)
+    for tier, program, basis in (("eager", [sys.executable, "-m", "harness.worker"], "module scopes"),
+                                 ("libtorch", programs["libtorch"], "convolutions in order")):
+        out = files["dir"] / f"census-{tier}"
+        out.mkdir(exist_ok=True)
+        argv = contract_argv(program, Cell(tier=tier, batch=2, res=64, device="cpu"), {
+            "weights": files["resnet50"], "input": files["input"], "output": out / "output.safetensors",
+            "result": out / "result.json", "census": out / "trace.json"}, traced)
+        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        phases = [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")]
+        assert phases == [*PHASES[:PHASES.index("util") + 1], "census", *PHASES[PHASES.index("after"):]]
+        result = json.loads((out / "result.json").read_text())
+        assert set(result) == RESULT_KEYS | {"census"} and set(result["census"]) == CENSUS_KEYS
+        summary = census.summarise(census.load(out / "trace.json"), convolutions("resnet50"), None, 2, False)
+        assert summary["steps"] == 2 and summary["attribution"][basis] > 0.3, summary["attribution"]
+        assert {g["group"] for g in summary["groups"]} >= {"stem", "layer1", "layer4"}
+
+
 def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, files, tmp_path):
     """train-to-accuracy's contract (--train-data, --states): the C++ program trains a 10-class network on the
     images, labels and batch order given, and its state after each epoch is eager's after the same steps."""

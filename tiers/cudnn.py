@@ -60,6 +60,19 @@ class Toolchain:
     cublaslt_library: Path
     cudnn_version: str
     cuda_version: str
+    cupti: tuple[Path, Path] | None = None  # (include directory, library) for the census; None: built without
+
+
+def _cupti(roots: list[Path]) -> tuple[Path, Path] | None:
+    """CUPTI's header directory and library from one package (a wheel's or the toolkit's), or None."""
+    for root in roots:
+        for header in sorted(root.glob("*/include/cupti.h")) + sorted(root.glob("include/cupti.h")) + sorted(
+                root.glob("extras/CUPTI/include/cupti.h")):
+            base = header.parent.parent
+            library = _first([base], "lib/libcupti.so.*", "lib64/libcupti.so.*", "lib/libcupti.so", "lib64/libcupti.so")
+            if library:
+                return header.parent, library
+    return None
 
 
 def _nvcc() -> Path | None:
@@ -108,7 +121,7 @@ def toolchain() -> Toolchain:
     release = re.search(r"release (\d+\.\d+)", subprocess.run([str(nvcc), "--version"], capture_output=True,
                                                               text=True).stdout)
     return Toolchain(nvcc, cudnn_h.parent, cudnn_so, lt_h.parent, lt_so, _cudnn_header_version(cudnn_h.parent),
-                     release.group(1) if release else "unknown")
+                     release.group(1) if release else "unknown", _cupti(roots))
 
 
 def _cuda_arch() -> str:
@@ -171,6 +184,7 @@ class CudnnTier(ExternalTier):
             f"-DCUDNN_LIBRARY={tc.cudnn_library}",
             f"-DCUBLASLT_INCLUDE_DIR={tc.cublaslt_include}",
             f"-DCUBLASLT_LIBRARY={tc.cublaslt_library}",
+            *([f"-DCUPTI_INCLUDE_DIR={tc.cupti[0]}", f"-DCUPTI_LIBRARY={tc.cupti[1]}"] if tc.cupti else []),
         ], "ladder_cudnn")
 
     def command(self, cell: Cell) -> list[str]:

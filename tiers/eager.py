@@ -2,6 +2,7 @@
 training, the step of core/train.py on the module as it is."""
 from core import train
 from core.cell import Built
+from core.layers import module_scopes
 from core.model import num_classes
 from core.placement import place_model
 from tiers.base import PythonTier
@@ -15,11 +16,14 @@ class Eager(PythonTier):
     cannot_train = None
 
     def build(self, model, example, cell, store):
-        return Built(forward=place_model(model, cell))
+        module = place_model(model, cell)
+        return Built(forward=module, layer_scopes=lambda: module_scopes(module))
 
     def build_train(self, model, example, cell, store, lr=None):
         net = train.place_for_training(model, cell)
-        return train.built_step(net, net, cell, num_classes(net), lr)
+        built = train.built_step(net, net, cell, num_classes(net), lr)
+        built.layer_scopes = lambda: module_scopes(net)
+        return built
 
 
 TIER = Eager()

@@ -5,15 +5,18 @@ provider's own CUDA graph for a cuda_graph cell, and fp16 as its 16-bit type (it
 On the CPU: the CPU execution provider."""
 from __future__ import annotations
 
+import json
 import tempfile
 from importlib import metadata
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from core.cell import Built
+from core.layers import BASIS, LAYER
 from tiers.base import PythonTier
-from tiers.exports.onnx import bound_input, export_onnx
+from tiers.exports.onnx import bound_input, export_onnx, node_layers
 
 # Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
 # is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
@@ -86,43 +89,89 @@ class OnnxRuntime(PythonTier):
         workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
         path, facts = export_onnx(model, example, cell, workdir.name,
                                   cell.option("fp16-graph", self.option_default("fp16-graph")))
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         x = bound_input(example, cell)
-        if cell.device == "cpu":
-            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-            feed = {"input": x.numpy()}  # shares memory with the example tensor
+        if cell.device == "cuda":
+            ort.preload_dlls()  # the CUDA and cuDNN libraries torch's own nvidia packages bring: no other CUDA
+            stream = torch.cuda.Stream()
+            out = torch.empty(cell.batch, 1000, device="cuda", dtype=example.dtype)
+            providers = self.providers(cell, stream, store)
+        else:
+            providers = ["CPUExecutionProvider"]
+
+        def session_of(profiling: bool):
+            """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding)."""
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            if profiling:
+                so.enable_profiling = True
+                so.profile_file_prefix = str(Path(workdir.name) / "ort-census")
+            session = ort.InferenceSession(str(path), so, providers=providers)
+            if cell.device == "cpu":
+                feed = {"input": x.numpy()}  # shares memory with the example tensor
+                return session, lambda _x: torch.from_numpy(session.run(None, feed)[0])
+            elem = ort_element_type(example.dtype)
+            if elem is None:
+                raise ValueError(f"no IO-binding element type for {example.dtype} in onnxruntime's Python API")
+            binding = session.io_binding()
+            binding.bind_input("input", "cuda", torch.cuda.current_device(), elem, list(x.shape), x.data_ptr())
+            binding.bind_output("logits", "cuda", torch.cuda.current_device(), elem, list(out.shape),
+                                out.data_ptr())
+            run_options = ort.RunOptions()
+            run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
 
             def forward(_x):
-                return torch.from_numpy(session.run(None, feed)[0])
+                session.run_with_iobinding(binding, run_options)
+                return out
 
-            return Built(forward=forward, stats={**facts, "providers": session.get_providers()},
-                         stream_description="host (CPU execution provider)", uses_torch_allocator=False)
+            forward.keepalive = binding
+            return session, forward
 
-        ort.preload_dlls()  # the CUDA and cuDNN libraries torch's own nvidia packages bring: no other CUDA install
-        stream = torch.cuda.Stream()
-        session = ort.InferenceSession(str(path), so, providers=self.providers(cell, stream, store))
-        elem = ort_element_type(example.dtype)
-        if elem is None:
-            raise ValueError(f"no IO-binding element type for {example.dtype} in onnxruntime's Python API")
-        out = torch.empty(cell.batch, 1000, device="cuda", dtype=example.dtype)
-        binding = session.io_binding()
-        binding.bind_input("input", "cuda", torch.cuda.current_device(), elem, list(x.shape), x.data_ptr())
-        binding.bind_output("logits", "cuda", torch.cuda.current_device(), elem, list(out.shape), out.data_ptr())
-        run_options = ort.RunOptions()
-        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        def profiled():
+            """The census's twin: a session of its own with ORT's profiler on (on from its creation, so never the
+            measured one), and its nodes' ranges named by the exporter's module scopes."""
+            twin, forward = session_of(profiling=True)
+            return forward, lambda: node_events(twin, node_layers(path), cell.device == "cpu")
 
-        def forward(_x):
-            session.run_with_iobinding(binding, run_options)
-            return out
-
-        forward.keepalive = (workdir, session, binding)
+        session, forward = session_of(profiling=False)
+        forward.keepalive = (workdir, session, getattr(forward, "keepalive", None))
+        stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__}
+        if cell.device == "cpu":
+            return Built(forward=forward, stats=stats, stream_description="host (CPU execution provider)",
+                         uses_torch_allocator=False, profiled=profiled)
         return Built(forward=forward, stream=stream, uses_torch_allocator=False, captured=cell.cuda_graph,
                      stream_description="torch side stream handed to ORT as user_compute_stream"
                                         + (" (the CUDA EP's graph replay)" if cell.cuda_graph else ""),
-                     stats={**facts, "providers": session.get_providers(), "ort_version": ort.__version__,
-                            "provider_options": {p: o for p, o in session.get_provider_options().items()
-                                                 if p == self.provider or p == OnnxRuntime.provider}})
+                     stats={**stats, "provider_options": {p: o for p, o in session.get_provider_options().items()
+                                                          if p == self.provider or p == OnnxRuntime.provider}},
+                     profiled=profiled)
+
+
+def node_events(session, layers: dict[str, str], cpu: bool) -> list[dict]:
+    """The profiled session's node ranges as Chrome trace events (ts: µs since the epoch), each with the module
+    path of its node where the export names it: on the CPU as operators (their time is the work), on the GPU as
+    annotations around the kernels the node launched."""
+    start_us = session.get_profiling_start_time_ns() / 1e3  # ORT's ts are µs after this (system clock)
+    events = []
+    for e in json.loads(Path(session.end_profiling()).read_text()):
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        node = e["name"].removesuffix("_kernel_time")
+        layer = layer_of(node, layers)
+        events.append({"ph": "X", "cat": "cpu_op" if cpu else "user_annotation", "pid": e["pid"], "tid": e["tid"],
+                       "ts": start_us + e["ts"], "dur": e["dur"],
+                       "name": f"{e['args'].get('op_name', node)}" if cpu else node,
+                       "args": {"node": node, "provider": e["args"].get("provider"),
+                                **({LAYER: layer, BASIS: "ONNX node names"} if layer else {})}})
+    return events
+
+
+def layer_of(node: str, layers: dict[str, str]) -> str | None:
+    """The module path of a profiled node: by its name, or by the name it was fused after (ORT appends words such
+    as '_nchwc' to a fused node's output name)."""
+    name = node
+    while name not in layers and "_" in name and not name.rsplit("_", 1)[1].isdigit():
+        name = name.rsplit("_", 1)[0]
+    return layers.get(name)
 
 
 TIER = OnnxRuntime()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from core.cell import Built, Cell, Store, layout_name
+from core.layers import SCOPE
 from core.model import build_model
 from core.placement import memory_format, set_math_mode, torch_dtype
 from tiers.base import PythonTier
@@ -84,7 +85,7 @@ class TritonTier(PythonTier):
             "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
             "launches_per_forward": net.launches,
         }
-        return Built(forward=net, stats=stats)
+        return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
         """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,

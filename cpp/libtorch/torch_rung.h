@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include <optional>
@@ -111,6 +112,31 @@ class TorchRung : public ladder::Rung {
 
   HostTensor output_fp32() override {
     return guarded([&] { return host_fp32(output_); });
+  }
+
+  // libtorch's own profiler (Kineto, CUPTI on the GPU), as torch.profiler in the Python rungs: input shapes (the
+  // census matches convolutions by weight shape) and TorchScript's module hierarchy recorded.
+  Json census(int steps, const std::string& path) override {
+    namespace prof = torch::autograd::profiler;
+    using torch::profiler::impl::ActivityType;
+    const prof::ProfilerConfig config(prof::ProfilerState::KINETO, /*report_input_shapes=*/true,
+                                      /*profile_memory=*/false, /*with_stack=*/false, /*with_flops=*/false,
+                                      /*with_modules=*/true);
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (stream_) activities.insert(ActivityType::CUDA);
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    for (int i = 0; i < steps; ++i) {
+      RECORD_USER_SCOPE(ladder::CENSUS_STEP);
+      forward();
+      if (stream_) LADDER_CUDA(cudaStreamSynchronize(stream_->stream()));
+    }
+    prof::disableProfiler()->save(path);
+    Json out = Json::object();
+    out["steps"] = steps;
+    out["source"] = std::string("libtorch profiler (Kineto") + (stream_ ? ", CUPTI)" : ", CPU operators)");
+    out["module_scopes"] = false;
+    return out;
   }
 
   void reset_memory_peak() override {

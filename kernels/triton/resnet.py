@@ -1,7 +1,9 @@
 """A torchvision ResNet run entirely on our Triton kernels, NHWC from the stem to the classifier."""
 from __future__ import annotations
 
+import contextlib
 from functools import partial
+from typing import Iterator
 
 import torch
 
@@ -39,19 +41,47 @@ class TritonResNet:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True):
         self.conv = partial(conv2d, precision=precision, tune=tune)
-        self.tune = tune
+        self.max_pool = partial(max_pool2d, tune=tune)
+        self.avg_pool = partial(global_avg_pool, tune=tune)
         self.stem = _pack(model.conv1, model.bn1, dtype, device)
         self.blocks = [pack_block(block, dtype, device)
                        for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
         fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
         self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device)
         self.launches = 3 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
+        # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.
+        blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
+                                                                    model.layer4)) for j in range(len(layer))]
+        self.paths = {id(self.stem): "conv1", id(self.fc): "fc"}
+        for name, (convs, down) in zip(blocks, self.blocks):
+            self.paths.update({id(p): f"{name}.conv{i + 1}" for i, p in enumerate(convs)})
+            if down is not None:
+                self.paths[id(down)] = f"{name}.downsample.0"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x`: [N, 3, H, W] in any memory format; a channels_last tensor is already NHWC, so this costs nothing."""
         x = x.permute(0, 2, 3, 1).contiguous()
-        x = max_pool2d(self.conv(x, self.stem), tune=self.tune)
+        x = self.max_pool(self.conv(x, self.stem))
         for packed in self.blocks:
             x = run_block(x, packed, self.conv)
-        pooled = global_avg_pool(x, tune=self.tune)
+        pooled = self.avg_pool(x)
         return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
+
+    @contextlib.contextmanager
+    def layer_scopes(self, prefix: str) -> Iterator[None]:
+        """While it lasts, each launch runs inside a profiler range named `prefix` + the module path it computes
+        (the census's layers); outside it, the launches carry no such cost."""
+        def named(fn, path_of):
+            def call(*args, **kwargs):
+                with torch.profiler.record_function(prefix + path_of(*args)):
+                    return fn(*args, **kwargs)
+            return call
+
+        plain = self.conv, self.max_pool, self.avg_pool
+        self.conv = named(self.conv, lambda x, p, **_: self.paths[id(p)])
+        self.max_pool = named(self.max_pool, lambda x: "maxpool")
+        self.avg_pool = named(self.avg_pool, lambda x: "avgpool")
+        try:
+            yield
+        finally:
+            self.conv, self.max_pool, self.avg_pool = plain

@@ -65,3 +65,25 @@ def to_fp16(path: Path) -> Path:
         converted = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=False)
         onnx.save(converted, str(out))
     return out
+
+
+def node_layers(path: Path) -> dict[str, str]:
+    """Each node's name and each of its outputs' names -> the module path it came from ('layer1.0.conv2'), from
+    the exporter's name scopes in the nodes' metadata. ONNX Runtime names a node it fused after one of these."""
+    import ast
+
+    import onnx  # the exporter's own dependency
+
+    layers: dict[str, str] = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        meta = {p.key: p.value for p in node.metadata_props}
+        try:
+            scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+        except (ValueError, SyntaxError):
+            continue
+        modules = [s for s in scopes[:-1] if s]  # the last scope is the operator
+        if modules:
+            layer = modules[-1].removeprefix("model.")  # NHWCInput wraps the model as `model`
+            for name in (node.name, *node.output):
+                layers.setdefault(name, layer)
+    return layers

@@ -95,7 +95,18 @@ struct Rung {
     throw std::runtime_error("this rung does not train on data");
   }
   virtual TensorMap state() { throw std::runtime_error("this rung has no training state"); }
+  // The census pass (--census-steps N above 0; harness/contract.py CENSUS_KEYS): N forwards, each inside a range
+  // named CENSUS_STEP and synchronised, profiled into the Chrome trace at `path`, which harness/census.py reads.
+  // Returns the result's "census": steps, source, module_scopes; or, from a rung without a profiler, why (error).
+  virtual Json census(int steps, const std::string& path) {
+    (void)steps, (void)path;
+    Json out = Json::object();
+    out["error"] = "this rung has no census pass";
+    return out;
+  }
 };
+
+constexpr const char* CENSUS_STEP = "census:step";  // harness/contract.py CENSUS_STEP
 
 // Builds the rung from the parsed arguments, the weights and the fp32 NCHW input; records facts in build_stats.
 using RungFactory = std::function<std::unique_ptr<Rung>(const Args&, const TensorMap& weights,
@@ -359,6 +370,11 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
     synchronize(a, *rung);
   }
   Json util = Json::object(); util["iters"] = iters; util["seconds"] = now_s() - t; result["util"] = util;
+
+  if (std::stoi(a.get("census-steps", "0")) > 0) {  // after every timed phase: the profiler times nothing measured
+    phase("census");
+    result["census"] = rung->census(a.i("census-steps"), a.get("census"));
+  }
 
   phase("after");  // the Python worker's rung facts; a C++ rung reports its facts in build_stats at build
   phase("done");

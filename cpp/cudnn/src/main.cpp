@@ -4,6 +4,7 @@
 // training schedule, alone and prints them as one line `@@micro [...]` (JSON).
 #include <iostream>
 
+#include "census.h"
 #include "net.h"
 #include "train_net.h"
 
@@ -117,6 +118,40 @@ class CudnnRung : public ladder::Rung {
   ladder::TensorMap result_tensors() override { return net_->result(setup_.parity_steps); }
   void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) override { net_->set_batch(x, labels); }
   ladder::TensorMap state() override { return net_->state(); }
+  // CUPTI's records of each call, issued step by step inside ranges that name each step's layer; under a CUDA
+  // graph one launch replays every step, so only the call's range is there and the kernels stay unattributed.
+  ladder::Json census(int steps, const std::string& path) override {
+#ifdef LADDER_CUPTI
+    rung::CuptiTrace trace;
+    for (int i = 0; i < steps; ++i) {
+      const auto call = rung::CuptiTrace::now();
+      for (size_t k = 0; !exec_ && k < net_->step_count(); ++k) {
+        const auto [layer, pass] = net_->step_layer(k);
+        const auto t = rung::CuptiTrace::now();
+        net_->issue_step(k);
+        ladder::Json args = ladder::Json::object();
+        if (!layer.empty()) {  // harness/census.py (core/layers.py) LAYER, BASIS and PHASE
+          args["census layer"] = layer;
+          args["census basis"] = "the rung's schedule";
+          args["census phase"] = pass;
+        }
+        trace.range(layer.empty() ? "unnamed step" : layer, t, rung::CuptiTrace::now(), args);
+      }
+      if (exec_) forward();
+      LADDER_CUDA(cudaStreamSynchronize(stream_));
+      trace.range(ladder::CENSUS_STEP, call, rung::CuptiTrace::now(), ladder::Json::object());
+    }
+    trace.write(path);
+    ladder::Json out = ladder::Json::object();
+    out["steps"] = steps;
+    out["source"] = "CUPTI activity API (kernels, copies, memsets, runtime and driver calls)";
+    out["module_scopes"] = !exec_;
+    return out;
+#else
+    return ladder::Rung::census(steps, path);  // built without CUPTI: says so
+#endif
+  }
+
   void reset_memory_peak() override { rung::Ledger::get().peak = rung::Ledger::get().live; }
   void report_memory(ladder::Json& memory) override {
     // Every byte of the rung is its own cudaMalloc (no caching allocator): reserved == allocated.

@@ -252,18 +252,31 @@ void ResNet50::plan_memory(ladder::Json& stats) {
 }
 
 void ResNet50::issue() const {
+  for (size_t i = 0; i < steps_.size(); ++i) issue_step(i);
+}
+
+void ResNet50::issue_step(size_t i) const {
   const float one = 1.f, zero = 0.f;
-  for (const Step& s : steps_) {
-    switch (s.kind) {
-      case Step::Conv: convs_[s.index].run(handle_, stream_); break;
-      case Step::Pooling: {
-        const Pool& p = *pools_[s.index];
-        CUDNN_CHECK(cudnnPoolingForward(handle_, p.desc, &one, p.x, acts_[p.in].ptr, &zero, p.y, acts_[p.out].ptr));
-        break;
-      }
-      case Step::Fc: fc_->run(stream_); break;
+  const Step& s = steps_[i];
+  switch (s.kind) {
+    case Step::Conv: convs_[s.index].run(handle_, stream_); break;
+    case Step::Pooling: {
+      const Pool& p = *pools_[s.index];
+      CUDNN_CHECK(cudnnPoolingForward(handle_, p.desc, &one, p.x, acts_[p.in].ptr, &zero, p.y, acts_[p.out].ptr));
+      break;
     }
+    case Step::Fc: fc_->run(stream_); break;
   }
+}
+
+std::pair<std::string, std::string> ResNet50::step_layer(size_t i) const {
+  const Step& s = steps_[i];
+  switch (s.kind) {
+    case Step::Conv: return {convs_[s.index].name(), "forward"};  // its batch-norm, add and ReLU fused in
+    case Step::Pooling: return {s.index == 0 ? "maxpool" : "avgpool", "forward"};
+    case Step::Fc: return {"fc", "forward"};
+  }
+  return {"", "forward"};
 }
 
 ladder::TensorMap ResNet50::result(int) const {

@@ -39,6 +39,11 @@ class Network {
     throw std::runtime_error("the cudnn rung's forward does not train");
   }
   virtual ladder::TensorMap state() const { throw std::runtime_error("the cudnn rung's forward has no training state"); }
+  // The census (ladder::Rung::census): issue() as its steps, one at a time, each with the module path of the layer
+  // it computes ("layer1.0.conv2"; "loss", "optimizer") and its pass ("forward", "backward", "optimizer").
+  virtual size_t step_count() const = 0;
+  virtual std::pair<std::string, std::string> step_layer(size_t i) const = 0;
+  virtual void issue_step(size_t i) const = 0;
 };
 
 // A cuDNN pooling of one activation shape: max (padding ignored: PyTorch pads with -inf) or average (no padding).
@@ -74,6 +79,9 @@ class ResNet50 : public Network {
   ResNet50& operator=(const ResNet50&) = delete;
 
   void issue() const override;  // one forward pass, asynchronously on the stream
+  size_t step_count() const override { return steps_.size(); }
+  std::pair<std::string, std::string> step_layer(size_t i) const override;
+  void issue_step(size_t i) const override;
   void* input() const override { return input_.get(); }
   size_t input_bytes() const override { return input_.bytes(); }
   void* output() const override { return output_.get(); }

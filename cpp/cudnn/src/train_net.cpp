@@ -530,6 +530,18 @@ void ResNet50Train::report_memory(ladder::Json& memory) const {
   memory["io_bytes"] = static_cast<unsigned long long>(input_.bytes() + loss_.bytes());
 }
 
+std::pair<std::string, std::string> ResNet50Train::step_layer(size_t i) const {
+  const Step& s = steps_[i];
+  switch (s.kind) {
+    case Kind::ConvFprop: case Kind::BnForward: case Kind::PoolForward: case Kind::FcForward:
+      return {step_name(s), "forward"};
+    case Kind::Loss: return {"loss", "forward"};
+    case Kind::Sgd: return {"optimizer", "optimizer"};
+    case Kind::Add: return {"", "backward"};  // a sum of two layers' gradients: no one layer's
+    default: return {step_name(s), "backward"};
+  }
+}
+
 std::string ResNet50Train::step_name(const Step& s) const {
   switch (s.kind) {
     case Kind::ConvFprop: case Kind::ConvDgrad: case Kind::ConvWgrad: return convs_[s.unit].name;

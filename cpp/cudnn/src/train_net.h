@@ -23,6 +23,9 @@ class ResNet50Train : public Network {
   ~ResNet50Train() override;
 
   void issue() const override;  // one training step, asynchronously on the stream
+  size_t step_count() const override { return steps_.size(); }
+  std::pair<std::string, std::string> step_layer(size_t i) const override;
+  void issue_step(size_t i) const override { run(steps_[i]); }
   void* input() const override { return input_.get(); }
   size_t input_bytes() const override { return input_.bytes(); }
   void* output() const override { return loss_.get(); }  // the last step's loss (fp32)

@@ -1,0 +1,92 @@
+"""A network's layers as the kernel census names them: each module's path ("layer1.0.conv2"), the group it belongs to
+(stem, layer1..layer4, head for a ResNet), its convolutions in the order the forward runs them, and its FLOPs per
+group. `module_scopes` marks each module's forward as a profiler range, so that the kernels it launches carry its
+path."""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from core.model import skeleton
+
+SCOPE = "layer:"  # the prefix of a module's profiler range (a user annotation in the trace)
+# The args by which a rung's own ranges in the trace name their layer, what named it, and the pass (forward,
+# backward, optimizer); cpp/cudnn/src/main.cpp writes the same.
+LAYER, BASIS, PHASE = "census layer", "census basis", "census phase"
+# ResNet's modules outside its stages, by the group they belong to.
+STEM = ("conv1", "bn1", "relu", "maxpool")
+HEAD = ("avgpool", "fc")
+
+
+def group_of(path: str) -> str:
+    """The layer group of a module path: 'stem', a stage ('layer3'), 'head', or the path's first part."""
+    first = path.split(".", 1)[0]
+    return "stem" if first in STEM else "head" if first in HEAD else first
+
+
+def block_of(path: str) -> str:
+    """The block a module belongs to: 'layer3.2' for 'layer3.2.conv1', the group outside the stages."""
+    parts = path.split(".")
+    return ".".join(parts[:2]) if parts[0].startswith("layer") and len(parts) > 1 else group_of(path)
+
+
+@dataclass(frozen=True)
+class Conv:
+    path: str
+    weight: tuple[int, ...]  # (out, in / groups, kh, kw)
+    stride: int
+
+
+@functools.lru_cache(maxsize=None)
+def convolutions(model_name: str) -> tuple[Conv, ...]:
+    """The model's convolutions in the order its forward calls them (hooks on the meta device: nothing runs)."""
+    with torch.device("meta"):
+        model = skeleton(model_name).eval()
+    order: list[Conv] = []
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_pre_hook(lambda mod, _x, p=path: order.append(
+                Conv(p, tuple(mod.weight.shape), mod.stride[0])))
+    with torch.no_grad():
+        model(torch.empty(1, 3, 64, 64, device="meta"))
+    return tuple(order)
+
+
+@functools.lru_cache(maxsize=None)
+def flops_per_group(model_name: str, res: int) -> dict[str, int]:
+    """FLOPs of one image per layer group (2 per multiply-accumulate, convolutions and matmuls, as core/flops)."""
+    with torch.device("meta"):
+        model = skeleton(model_name).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.empty(1, 3, res, res, device="meta"))
+    root = type(model).__name__ + "."
+    groups: dict[str, int] = {}
+    for name, by_op in counter.get_flop_counts().items():
+        if name.startswith(root) and "." not in name[len(root):]:  # a direct child: its FLOPs hold its children's
+            group = group_of(name[len(root):])
+            groups[group] = groups.get(group, 0) + sum(by_op.values())
+    return groups
+
+
+@contextlib.contextmanager
+def module_scopes(model: torch.nn.Module) -> Iterator[None]:
+    """Every submodule's forward inside a profiler range named SCOPE + its path, while the context lasts."""
+    open_ranges: list = []
+    handles = []
+    for path, m in model.named_modules():
+        if not path:
+            continue
+        handles.append(m.register_forward_pre_hook(lambda _m, _x, p=path: open_ranges.append(
+            torch.ops.profiler._record_function_enter_new(SCOPE + p, None))))
+        handles.append(m.register_forward_hook(
+            lambda _m, _x, _y: torch.ops.profiler._record_function_exit._RecordFunction(open_ranges.pop())))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

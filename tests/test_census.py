@@ -1,0 +1,161 @@
+"""The kernel census (harness/census.py) and `micro --tiers`: real rungs profiled on the CPU (torch.profiler and
+ONNX Runtime's own profiler in Python, libtorch's profiler in a real C++ build), and the parser's GPU path on a
+trace in Kineto's CUDA format."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from core.layers import convolutions, flops_per_group, group_of
+from harness import census
+from tests.conftest import FAST, REPO
+from tests.test_reports import ENV80
+
+RUNGS = ("eager", "torchscript", "compile", "onnxruntime", "libtorch")
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory):
+    out = tmp_path_factory.mktemp("micro")
+    proc = subprocess.run([sys.executable, "-m", "harness", "micro", "--tiers", ",".join(RUNGS), "--device", "cpu",
+                           "--model", "resnet18", "--res", "32", "--batch", "2", "--census-steps", "2", "--out",
+                           str(out), *FAST], cwd=REPO, env=ENV80, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout, json.loads((out / "census.json").read_text())
+
+
+def test_every_rung_has_a_census_by_layer_group(side_by_side):
+    _, stdout, doc = side_by_side
+    by_rung = {r["label"].split("(")[0]: r for r in doc["census"]}
+    assert set(by_rung) == set(RUNGS), doc.get("missing")
+    for name, r in by_rung.items():
+        groups = {g["group"] for g in r["groups"]}
+        assert {"stem", "layer1", "layer2", "layer3", "layer4"} <= groups, (name, groups)
+        assert r["steps"] == 2 and r["kernels_per_step"] > 0
+        # the parts add up: groups and layers to the kernels' time, the shares to one
+        assert sum(g["ms"] for g in r["groups"]) == pytest.approx(r["kernel_ms"], rel=1e-6)
+        assert sum(x["ms"] for x in r["layers"]) == pytest.approx(r["kernel_ms"], rel=1e-6)
+        assert sum(k["share"] for k in r["kernels"]) == pytest.approx(1.0, rel=1e-6)
+        assert sum(r["attribution"].values()) == pytest.approx(1.0, rel=1e-6)
+        assert r["busy_ms"] <= r["wall_ms"] * 1.001 and r["measured_ms"] > 0
+    # each rung's layers by its own means: module scopes, TorchScript's hierarchy, the convolutions matched in
+    # order (compile and libtorch), ONNX Runtime's node names
+    assert by_rung["eager"]["attribution"]["module scopes"] > 0.95
+    assert by_rung["torchscript"]["attribution"].get("module hierarchy", 0) > 0
+    assert by_rung["onnxruntime"]["attribution"]["ONNX node names"] > 0.9
+    for name in ("compile", "libtorch"):
+        assert by_rung[name]["attribution"]["convolutions in order"] > 0.3, by_rung[name]["attribution"]
+        conv = next(k for k in by_rung[name]["kernels"] if k["name"] == "aten::mkldnn_convolution")
+        assert conv["launches"] == len(convolutions("resnet18")) and "unattributed" not in conv["groups"]
+    assert "libtorch profiler" in by_rung["libtorch"]["source"]
+    assert "stem" in stdout and "fastest" in stdout
+
+
+def test_census_files_read_in_100_columns_and_the_plot_is_drawn(side_by_side):
+    out, _, doc = side_by_side
+    md = (out / "census.md").read_text()
+    assert max(map(len, md.splitlines())) <= 100
+    assert "![where each rung's time goes](census.png)" in md and (out / "census.png").stat().st_size > 10_000
+    assert all(f"## {r['label']}: its ten costliest" in md for r in doc["census"])
+    for r in doc["census"]:  # every kernel in the JSON, and the trace kept for a deeper look
+        assert (out / r["trace"]).is_file() and len(r["kernels"]) >= 5
+
+
+def test_the_fastest_rung_per_group_is_the_one_with_least_time(side_by_side):
+    _, _, doc = side_by_side
+    for row in doc["groups"]:
+        if "fastest" in row:
+            times = {k: v["ms"] for k, v in row["rungs"].items()}
+            assert row["fastest"] == min(times, key=times.get)
+            assert row["lead"] == pytest.approx(sorted(times.values())[1] / min(times.values()))
+
+
+def test_training_step_census_names_backward_and_optimizer(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "micro", "--tiers", "eager", "--task", "train",
+                           "--device", "cpu", "--model", "resnet18", "--res", "32", "--batch", "2",
+                           "--census-steps", "1", "--out", str(tmp_path), *FAST], cwd=REPO, env=ENV80,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r,) = json.loads((tmp_path / "census.json").read_text())["census"]
+    phases = {x["phase"] for x in r["layers"]}
+    assert phases == {"forward", "backward", "optimizer"}
+    assert r["attribution"]["autograd (module scopes)"] > 0.3  # backward operators by their forward's layer
+    groups = {g["group"]: g for g in r["groups"]}
+    assert {"optimizer", "loss", "layer3"} <= set(groups) and groups["layer3"]["tflops"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["micro"], "give --tier NAME"),
+    (["micro", "--tiers", "eager", "--batch", "1,2"], "--batch: micro measures one configuration"),
+    (["micro", "--tiers", "eager", "--layout", "both"], "--layout: micro measures one layout"),
+])
+def test_micro_refuses_in_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "harness", *argv], cwd=REPO, env=ENV80, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def kineto_gpu_trace() -> list[dict]:
+    """Two steps of a trace in Kineto's CUDA format: in each, the stem's convolution (a cuDNN kernel launched from
+    aten::convolution inside the stem's scope) and a fused kernel of no scope after layer1.0.conv1, on a side
+    thread's launch; the second step's two kernels overlap (busy < their sum)."""
+    events = []
+    stem, l1 = convolutions("resnet18")[0], convolutions("resnet18")[1]
+
+    def host(name, ts, dur, cat="cpu_op", **args):
+        events.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur,
+                       "args": args})
+
+    for step, t0 in enumerate((1000.0, 2000.0)):
+        host("census:step", t0, 500, cat="user_annotation")
+        host("aten::convolution", t0 + 10, 50, **{"Input Dims": [[2, 3, 32, 32], list(stem.weight)]})
+        host("aten::convolution", t0 + 70, 40, **{"Input Dims": [[2, 64, 8, 8], list(l1.weight)]})
+        for corr, at, ts, dur, name in ((10 * step + 1, t0 + 20, t0 + 100, 80, "sm90_xmma_fprop_cudnn"),
+                                        (10 * step + 2, t0 + 80, t0 + 190, 40, "sm90_xmma_fprop_cudnn"),
+                                        (10 * step + 3, t0 + 120, t0 + (200 if step else 240), 60,
+                                         "triton_poi_fused_relu_0")):
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                           "ts": at, "dur": 5, "args": {"correlation": corr}})
+            events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+                           "args": {"correlation": corr}})
+    return events
+
+
+def test_gpu_trace_kernels_are_attributed_through_their_launches():
+    c = census.summarise(kineto_gpu_trace(), convolutions("resnet18"), flops_per_group("resnet18", 32), 2, False)
+    assert c["unit"] == "GPU kernels" and c["steps"] == 2 and c["kernels_per_step"] == 3
+    assert c["kernel_ms"] == pytest.approx(0.18)  # 80 + 40 + 60 µs
+    assert c["busy_ms"] == pytest.approx((0.18 + 0.15) / 2)  # the second step's last two overlap by 30 µs
+    assert c["wall_ms"] == pytest.approx(0.5)
+    layers = {x["layer"]: x for x in c["layers"]}
+    assert layers["conv1"]["basis"] == "convolutions in order" and group_of("conv1") == "stem"
+    assert layers["layer1.0"]["basis"] == "after a convolution"  # the fused kernel: its block, never split
+    (conv,) = [k for k in c["kernels"] if k["name"].startswith("sm90")]
+    assert conv["launches"] == 2 and conv["median_us"] == 60 and conv["groups"] == ["layer1", "stem"]
+
+
+def test_a_trace_without_steps_is_refused():
+    with pytest.raises(ValueError, match="census:step"):
+        census.summarise([e for e in kineto_gpu_trace() if e["name"] != "census:step"], convolutions("resnet18"),
+                         None, 2, False)
+
+
+def test_triton_launches_are_named_by_layer_only_inside_the_census_scopes():
+    import torch
+    import torchvision
+    from torch.profiler import ProfilerActivity, profile
+
+    from core.layers import SCOPE
+    from kernels.triton.resnet import TritonResNet
+
+    net = TritonResNet(torchvision.models.resnet18().eval(), torch.float32, "cpu", tune=False)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as plain:
+        expected = net(x)
+    with torch.no_grad(), net.layer_scopes(SCOPE), profile(activities=[ProfilerActivity.CPU]) as named:
+        out = net(x)
+    scopes = [e.name.removeprefix(SCOPE) for e in named.events() if e.name.startswith(SCOPE)]
+    assert scopes[:3] == ["conv1", "maxpool", "layer1.0.conv1"] and scopes[-2:] == ["avgpool", "fc"]
+    assert {c.path for c in convolutions("resnet18")} <= set(scopes) and torch.equal(out, expected)
+    assert not any(e.name.startswith(SCOPE) for e in plain.events())
