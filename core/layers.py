@@ -90,3 +90,98 @@ def module_scopes(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A distinct convolution of the model with its epilogue, as the layer microbenchmark runs it alone: `path`
+    names its first occurrence, `count` how many the forward has."""
+
+    path: str
+    weight: tuple[int, ...]
+    stride: int
+    pad: int
+    size: tuple[int, int]  # its input's height and width
+    epilogue: str  # 'relu', 'add+relu' (a block's last convolution: the residual added) or 'none' (downsample)
+    count: int
+
+    @property
+    def shape(self) -> str:
+        k, c, r, _ = self.weight
+        return f"{r}x{r}/s{self.stride} {c}->{k} @{self.size[0]}x{self.size[1]} {self.epilogue}"
+
+    def output_size(self) -> tuple[int, int]:
+        r = self.weight[2]
+        return tuple((s + 2 * self.pad - r) // self.stride + 1 for s in self.size)
+
+    def flops(self, batch: int) -> int:
+        k, c, r, s = self.weight
+        p, q = self.output_size()
+        return 2 * batch * k * c * r * s * p * q
+
+    def bytes(self, batch: int, element: int) -> int:
+        """Its floor of memory traffic: input, weights and output once (and the residual it adds)."""
+        k, c, r, s = self.weight
+        p, q = self.output_size()
+        out = batch * k * p * q
+        return element * (batch * c * self.size[0] * self.size[1] + k * c * r * s + out * (2 if "add" in
+                                                                                             self.epilogue else 1))
+
+
+def epilogue_of(path: str, model: torch.nn.Module) -> str:
+    """What follows a convolution in torchvision's ResNet: its BatchNorm, then ReLU; the residual add first for a
+    block's last convolution; nothing more for the downsample's."""
+    if ".downsample." in path:
+        return "none"
+    block, _, name = path.rpartition(".")
+    if not block:
+        return "relu"
+    last = "conv3" if hasattr(model.get_submodule(block), "conv3") else "conv2"
+    return "add+relu" if name == last else "relu"
+
+
+@functools.lru_cache(maxsize=None)
+def distinct_layers(model_name: str, res: int) -> tuple[Layer, ...]:
+    """The model's distinct convolutions (weights' shape, stride, input size, epilogue) in forward order."""
+    with torch.device("meta"):
+        model = skeleton(model_name).eval()
+    seen: dict[tuple, list] = {}
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d):
+            def hook(mod, inputs, p=path):
+                key = (tuple(mod.weight.shape), mod.stride[0], mod.padding[0], tuple(inputs[0].shape[2:]),
+                       epilogue_of(p, model))
+                seen.setdefault(key, [p, 0])[1] += 1
+            m.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        model(torch.empty(1, 3, res, res, device="meta"))
+    return tuple(Layer(path, w, stride, pad, size, epilogue, count)
+                 for (w, stride, pad, size, epilogue), (path, count) in seen.items())
+
+
+class LayerNet(torch.nn.Module):
+    """One layer alone: convolution, BatchNorm (eval) and its epilogue; the residual it adds is a buffer of the
+    output's shape, read as the block's shortcut would be."""
+
+    def __init__(self, conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, epilogue: str, residual: torch.Tensor | None):
+        super().__init__()
+        self.conv, self.bn, self.epilogue = conv, bn, epilogue
+        self.register_buffer("residual", residual)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        if self.residual is not None:
+            y = y + self.residual
+        return torch.relu(y) if self.epilogue != "none" else y
+
+
+def layer_net(model: torch.nn.Module, layer: Layer, batch: int, seed: int = 0) -> torch.nn.Module:
+    """`layer` of `model` (its trained or seeded weights) alone, eval mode, on the CPU in fp32."""
+    conv = model.get_submodule(layer.path)
+    prefix, _, name = layer.path.rpartition(".")
+    bn = model.get_submodule((prefix + "." if prefix else "") + ("1" if name == "0" else name.replace("conv", "bn")))
+    residual = None
+    if layer.epilogue == "add+relu":
+        g = torch.Generator().manual_seed(seed)
+        residual = torch.randn(batch, layer.weight[0], *layer.output_size(), generator=g)
+    return LayerNet(conv, bn, layer.epilogue, residual).eval()

@@ -213,6 +213,10 @@ def parser() -> argparse.ArgumentParser:
                      "default 32; res 224, bf16, nhwc; --task train: every step of its training schedule, per pass)")
     mic.add_argument("--census-steps", type=_positive_int, default=micro.CENSUS_STEPS,
                      help="calls profiled per cell in the census pass (default %(default)s)")
+    mic.add_argument("--layers", action="store_true",
+                     help="with --tiers: each distinct layer alone on each rung that runs a sub-network (its "
+                     "convolution, BatchNorm and epilogue), parity against eager fp32, against its roofline")
+    mic.add_argument("--reps", type=_positive_int, default=50, help="--layers: timed calls per layer (default 50)")
 
     rep = sub.add_parser("report", help="re-render (and merge) results.jsonl or JSON files")
     rep.add_argument("inputs", type=Path, nargs="+")
@@ -279,6 +283,11 @@ def micro_command(args: argparse.Namespace) -> int:
         micro.run(args.tier, one["batch"], one["res"], one["dtype"], args.layout != "nchw", args.task, args.json,
                   args.markdown)
         return 0
+    if args.layers:
+        out = args.out or Path("runs") / f"micro-layers-{args.model}-{'cuda' if gpu else 'cpu'}-b{one['batch']}-{one['dtype']}"
+        return micro.layers_run(args.tiers, args.model, one["batch"], one["res"], one["dtype"],
+                                (args.layout or ("nhwc" if gpu else "nchw")) == "nhwc", "cuda" if gpu else "cpu",
+                                out, args.reps, args.json, args.markdown)
     config = ladder_config(args)
     config.batch, config.res, config.dtype = [one["batch"]], [one["res"]], [one["dtype"]]
     config.json = config.markdown = config.csv = None  # --json, --markdown: the census's files

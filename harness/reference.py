@@ -2,7 +2,8 @@
 
 - `ref`:  the eager fp32 reference (TF32 off) that every rung is compared against: the output of one forward, or
           for `train` the loss of each parity step and the state after them (core/train.py);
-- `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak'."""
+- `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak', and its
+          measured memory bandwidth (a device-to-device copy), the other side of a layer's roofline."""
 from __future__ import annotations
 
 import json
@@ -46,8 +47,13 @@ def measured_peak(output: str) -> None:
         b = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
         ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
         rates[name] = 2 * n**3 / ms / 1e9
-    write_text_atomic(Path(output), json.dumps({"tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; "
-                                                "fp32 4096), random data"}))
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    write_text_atomic(Path(output), json.dumps({
+        "tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; fp32 4096), random data",
+        "copy_gbs": 2 * src.numel() / copy_ms / 1e6, "copy_what": "median of a 1 GiB device-to-device copy: bytes "
+        "read + written per second"}))
 
 
 if __name__ == "__main__":

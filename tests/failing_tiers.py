@@ -33,14 +33,15 @@ class Hangs(PythonTier):
 
 
 class WrongFunction(PythonTier):
-    """The seed paper's mistake in miniature: a net that skips its last ReLU-free layer's bias."""
+    """The seed paper's mistake in miniature: a net that skips its last bias (the classifier's; a lone layer's
+    BatchNorm's)."""
 
     name = "test-wrong"
 
     def build(self, model, example, cell, store):
         net = place_model(model, cell)
         with torch.no_grad():
-            net.fc.bias.zero_()
+            [m for m in net.modules() if getattr(m, "bias", None) is not None][-1].bias.zero_()
         return Built(forward=net)
 
 

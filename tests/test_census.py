@@ -159,3 +159,24 @@ def test_triton_launches_are_named_by_layer_only_inside_the_census_scopes():
     assert scopes[:3] == ["conv1", "maxpool", "layer1.0.conv1"] and scopes[-2:] == ["avgpool", "fc"]
     assert {c.path for c in convolutions("resnet18")} <= set(scopes) and torch.equal(out, expected)
     assert not any(e.name.startswith(SCOPE) for e in plain.events())
+
+
+def test_each_layer_alone_on_each_rung_with_parity(tmp_path):
+    """micro --layers: every distinct layer of the network built alone by each Python rung, checked against eager
+    fp32; a rung computing the wrong function fails every layer (exit status 1); a C++ rung says why it has none."""
+    env = {**ENV80, "LADDER_EXTRA_TIERS": "tests.failing_tiers"}
+    proc = subprocess.run([sys.executable, "-m", "harness", "micro", "--layers", "--tiers",
+                           "eager,onnxruntime,test-wrong,libtorch", "--device", "cpu", "--model", "resnet18", "--res",
+                           "32", "--batch", "2", "--reps", "3", "--out", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "layers.json").read_text())
+    assert [r["layer"] for r in doc["layers"]][:2] == ["conv1", "layer1.0.conv1"]
+    assert sum(r["count"] for r in doc["layers"]) == len(convolutions("resnet18"))
+    for row in doc["layers"]:
+        assert row["rungs"]["eager"]["parity"]["ok"] and row["rungs"]["onnxruntime"]["parity"]["ok"], row
+        assert not row["rungs"]["test-wrong"]["parity"]["ok"] and row.get("fastest") != "test-wrong"
+        assert len(row["rungs"]["eager"]["samples_ms"]) == 3 and row["floor"] is None  # no GPU: no roofline
+    assert any(line.startswith("libtorch: a program of the whole network") for line in doc["missing"])
+    md = (tmp_path / "layers.md").read_text()
+    assert max(map(len, md.splitlines())) <= 100 and "FAIL" in md

@@ -93,13 +93,15 @@ class OnnxRuntime(PythonTier):
         if cell.device == "cuda":
             ort.preload_dlls()  # the CUDA and cuDNN libraries torch's own nvidia packages bring: no other CUDA
             stream = torch.cuda.Stream()
-            out = torch.empty(cell.batch, 1000, device="cuda", dtype=example.dtype)
             providers = self.providers(cell, stream, store)
         else:
             providers = ["CPUExecutionProvider"]
 
+        out = None  # the bound output, shaped by the first session's graph (its batch axis: the cell's batch)
+
         def session_of(profiling: bool):
             """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding)."""
+            nonlocal out
             so = ort.SessionOptions()
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             if profiling:
@@ -112,6 +114,9 @@ class OnnxRuntime(PythonTier):
             elem = ort_element_type(example.dtype)
             if elem is None:
                 raise ValueError(f"no IO-binding element type for {example.dtype} in onnxruntime's Python API")
+            if out is None:
+                shape = [d if isinstance(d, int) else cell.batch for d in session.get_outputs()[0].shape]
+                out = torch.empty(shape, device="cuda", dtype=example.dtype)
             binding = session.io_binding()
             binding.bind_input("input", "cuda", torch.cuda.current_device(), elem, list(x.shape), x.data_ptr())
             binding.bind_output("logits", "cuda", torch.cuda.current_device(), elem, list(out.shape),
