@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-DTYPES = ("fp32", "tf32", "fp16", "bf16")
+# fp8: e4m3 convolutions with calibrated scales and bf16 activations, a hand-written rung's own (no framework rung of
+# this ladder runs FP8 convolutions).
+DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+FRAMEWORK_DTYPES = DTYPES[:4]
 TASKS = ("infer", "train")
 
 

@@ -11,6 +11,8 @@ TOLERANCES = {
     "tf32": {"rel_err": 2e-2, "cosine": 0.999},
     "fp16": {"rel_err": 2e-2, "cosine": 0.999},
     "bf16": {"rel_err": 6e-2, "cosine": 0.995},
+    # e4m3 keeps 3 mantissa bits: about 5% per convolution, compounding over ResNet-50's (docs/notes/fp8-parity.md)
+    "fp8": {"rel_err": 0.5, "cosine": 0.9},
 }
 
 

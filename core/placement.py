@@ -7,7 +7,9 @@ import torch
 
 from core.cell import Cell
 
-TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# fp8 cells keep their activations in bf16 (their convolutions' math is e4m3: kernels/triton/conv.py).
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                "fp8": torch.bfloat16}
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

@@ -10,7 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from core.cell import DTYPES, TASKS
+from core.cell import DTYPES, FRAMEWORK_DTYPES, TASKS
 from core.env import default_device
 from core.model import CLASSIFIERS
 from harness import accuracy, compare, ladder, listing, micro, report
@@ -114,8 +114,8 @@ def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
                           "powers of two on GPU, 1 to 16 on CPU, the sizes that fit)")
     lad.add_argument("--res", type=_resolutions, default=None, help="comma list (default: 224 on GPU; 64 on CPU)")
     lad.add_argument("--dtype", type=_list(str, DTYPES), default=None,
-                     help="comma list from fp32,tf32,fp16,bf16 (default: fp32,tf32,bf16 on GPU, bf16 in a sweep; "
-                          "fp32 on CPU)")
+                     help="comma list from fp32,tf32,fp16,bf16,fp8 (default: fp32,tf32,bf16 on GPU, bf16 in a "
+                          "sweep; fp32 on CPU; fp8: the triton rung's e4m3 convolutions, bf16 activations)")
     lad.add_argument("--layout", choices=("nchw", "nhwc", "both"), default=None,
                      help="activation layout (default: nhwc, channels-last, on GPU: every rung's best practice; "
                           "nchw on CPU)")
@@ -188,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
     acc.add_argument("--epochs", type=_positive_int, default=8)
     acc.add_argument("--batch", type=_positive_int, default=64)
     acc.add_argument("--res", type=_positive_int, default=32, help="image size the data is resized to")
-    acc.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on GPU, fp32 on CPU")
+    acc.add_argument("--dtype", choices=FRAMEWORK_DTYPES, default=None, help="default: bf16 on GPU, fp32 on CPU")
     acc.add_argument("--data", type=Path, default=None, help="an ImageFolder tree with train/ and test/ (or val/) "
                      "(default: scikit-learn's handwritten digits, shipped with it)")
     acc.add_argument("--device", choices=("cuda", "cpu"), default=None)

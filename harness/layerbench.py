@@ -73,10 +73,14 @@ def main(argv: list[str]) -> int:
                     channels_last=a.layout == "nhwc", device=a.device)
         row = {"layer": layer.path, "shape": layer.shape, "count": layer.count}
         t = time.perf_counter()
-        try:
-            row.update(bench_layer(tier, model, layer, cell, a.reps))
-        except Exception as e:  # one layer's failure is its row; the next layer runs
-            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        reason = tier.supports(cell)
+        if reason:
+            row["error"] = f"skipped: {reason}"
+        else:
+            try:
+                row.update(bench_layer(tier, model, layer, cell, a.reps))
+            except Exception as e:  # one layer's failure is its row; the next layer runs
+                row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         row["build_and_run_s"] = time.perf_counter() - t
         rows.append(row)
         print(f"{layer.path}: {row.get('median_ms', row.get('error'))}", flush=True)

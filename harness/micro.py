@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core import proc as procs
-from core.cell import layout_name
+from core.cell import FRAMEWORK_DTYPES, layout_name
 from core.env import default_device, environment
 from core.files import write_text_atomic
 from core.layers import Layer, distinct_layers
@@ -33,6 +33,9 @@ from tiers.base import PythonTier
 def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, task: str, json_path: Path | None,
         md_path: Path | None) -> None:
     tier = get_tier(tier_name)
+    if dtype not in FRAMEWORK_DTYPES:
+        raise Refusal(f"{tier_name}'s per-layer microbenchmark times {', '.join(FRAMEWORK_DTYPES)} kernels; {dtype} "
+                      "is measured in the ladder (--dtype fp8)")
     if task == "train" and tier.cannot_train:
         raise Refusal(f"{tier_name} does not train: {tier.cannot_train}")
     if default_device() != "cuda":
@@ -260,8 +263,9 @@ def layers_run(tiers: list[str], model: str, batch: int, res: int, dtype: str, c
         if reason:
             missing.append(f"{name}: unavailable here: {reason}")
         elif tier.has_micro:
-            if device != "cuda":
-                missing.append(f"{name}: its per-layer microbenchmark times GPU kernels; no GPU here")
+            if device != "cuda" or dtype not in FRAMEWORK_DTYPES:
+                missing.append(f"{name}: its per-layer microbenchmark times {', '.join(FRAMEWORK_DTYPES)} kernels "
+                               "on the GPU")
             else:
                 with console.status(f"{name}: its per-layer microbenchmark"):
                     per_rung[name] = hand_written_rows(name, tier.micro(batch, res, dtype, channels_last), layers)

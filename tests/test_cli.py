@@ -143,3 +143,19 @@ def test_the_default_gpu_ladder_runs_each_rung_in_the_16_bit_type_it_is_deployed
     assert dtypes(LadderConfig(dtype=["bf16"]))["onnxruntime"] == {"bf16"}  # asked for: skipped, with its reason
     assert dtypes(LadderConfig(tiers=["eager", "cudnn"]))["eager"] == {"fp32", "tf32", "bf16"}
     assert dtypes(LadderConfig(task="train"))["eager"] == {"fp32", "tf32", "bf16"}
+
+
+def test_fp8_is_the_triton_rungs_own_and_its_baseline_is_eager_bf16():
+    """--dtype fp8: the triton rung runs it; every other rung says it does not implement fp8, and the CPU that it
+    is a GPU configuration; an fp8 cell's speed-up is over eager in bf16, the type of its activations."""
+    from core.cell import Cell
+    from harness.report import eager_baseline
+    from tiers import all_tiers
+
+    gpu = {name: tier.supports(Cell(tier=name, dtype="fp8", device="cuda")) for name, tier in all_tiers().items()}
+    assert gpu.pop("triton") is None and all("does not implement fp8" in reason for reason in gpu.values())
+    assert "on the CPU only fp32" in all_tiers()["triton"].supports(Cell(tier="triton", dtype="fp8", device="cpu"))
+    eager = [{"tier": "eager", "cuda_graph": False, "status": "ok", "model": "resnet50", "batch": 256, "res": 224,
+              "dtype": d, "channels_last": True, "device": "cuda"} for d in ("fp16", "bf16")]
+    fp8 = {**eager[0], "tier": "triton", "dtype": "fp8"}
+    assert eager_baseline(eager, fp8)["dtype"] == "bf16"

@@ -57,6 +57,35 @@ def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
         ref = F.relu(ref)
     out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias), nhwc(res) if residual else None, relu)
     close(nchw(out), ref)
+    # K-major weights (the TF32 layout) compute the same function
+    out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, kmajor=True), nhwc(res) if residual else None,
+                 relu)
+    close(nchw(out), ref)
+    # e4m3 (per-channel weight scales, the input's calibrated scale): within e4m3's rounding of 3 mantissa bits
+    out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, input_amax=x.abs().max().item()),
+                 nhwc(res) if residual else None, relu)
+    close(nchw(out), ref, tol=0.15)
+
+
+def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
+    """The fp8 cell's ResNet (e4m3 convolutions calibrated on the input) within the fp8 tolerance of eager fp32
+    (docs/notes/fp8-parity.md); the same network given another input fails it. Activations in fp32 here: the
+    interpreter has no bf16 arithmetic."""
+    from core.model import make_input
+    from core.parity import TOLERANCES, compare
+    from kernels.triton.resnet import TritonResNet, input_amax
+
+    model = build_model("resnet18").eval()
+    x = make_input(8, 32)
+    with torch.no_grad():
+        ref = model(x)
+        net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=input_amax(model, x))
+        assert all(p.fp8 and p.kmajor for convs, down in net.blocks for p in convs + ([down] if down else []))
+        assert not net.stem.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
+        fp8 = compare(net(x), ref, "fp8")
+        wrong = compare(net(make_input(8, 32, seed=1)), ref, "fp8")
+    assert fp8["ok"] and fp8["rel_err"] > TOLERANCES["bf16"]["rel_err"], fp8  # bf16's tolerance would not do
+    assert not wrong["ok"], wrong
 
 
 def test_linear():

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from core.cell import DTYPES, Built, Cell, Store
+from core.cell import FRAMEWORK_DTYPES, Built, Cell, Store
 
 
 class Tier:
     name: str = ""
     summary: str = ""
     models: tuple[str, ...] | None = None  # None: any torchvision classification model
-    dtypes: tuple[str, ...] = DTYPES
+    dtypes: tuple[str, ...] = FRAMEWORK_DTYPES
     # The 16-bit type the rung is deployed in: the default GPU ladder's 16-bit cell (a rung whose runtime lacks
     # bf16 kernels deploys fp16).
     half: str = "bf16"
@@ -56,7 +56,7 @@ class Tier:
             return f"{self.name} does not implement {cell.dtype}"
         if cell.cuda_graph and not self.cuda_graph:
             return f"{self.name} has no CUDA-graph mode"
-        if cell.device != "cuda" and cell.dtype in ("tf32", "fp16", "bf16"):
+        if cell.device != "cuda" and cell.dtype != "fp32":
             return f"{cell.dtype} is a GPU tensor-core configuration; on the CPU only fp32 is measured"
         if cell.cuda_graph and cell.device != "cuda":
             return "CUDA graphs need the GPU"

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from core.cell import Built, Cell, Store, layout_name
+from core.cell import DTYPES, Built, Cell, Store, layout_name
 from core.layers import SCOPE
 from core.model import build_model
 from core.placement import memory_format, set_math_mode, torch_dtype
@@ -31,12 +31,28 @@ def triton_version() -> str:
 
 def _precision(dtype: str) -> str:
     # tl.dot's input precision matters only for fp32 operands: strict "ieee" for fp32, TF32 tensor cores for tf32.
-    # 16-bit operands take Triton's default ("tf32"), which runs them on the tensor cores as they are.
+    # 16-bit and 8-bit operands take Triton's default ("tf32"), which runs them on the tensor cores as they are.
     return "ieee" if dtype == "fp32" else "tf32"
+
+
+FP8_RECIPE = {"weights": "e4m3, one scale per output channel (batch-norm folded first)",
+              "activations": "bf16 in memory; e4m3 in each convolution's dot, one calibrated scale per tensor",
+              "calibration": "each convolution input's amax over the run's input, in an eager fp32 forward",
+              "bf16 layers": "the stem and the classifier, as FP8 recipes keep the first and last layers"}
+
+
+def calibrate(model: torch.nn.Module, example: torch.Tensor) -> dict[str, float]:
+    """The fp8 cell's calibration pass: each convolution's input amax over the run's input (kernels/triton)."""
+    import copy
+
+    from kernels.triton.resnet import input_amax  # Triton: only where it runs
+
+    return input_amax(copy.deepcopy(model).to(example.device), example)
 
 
 class TritonTier(PythonTier):
     name = "triton"
+    dtypes = DTYPES  # fp8 too
     cannot_train = 'the hand-written Triton kernels have a forward pass only (no backward yet)'
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
@@ -63,7 +79,8 @@ class TritonTier(PythonTier):
         tune = cell.option("autotune", "on") == "on"
         tuned_file = store.cache / "tuned.json" if store.cache else None
         tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
-        net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune)
+        fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
+        net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8)
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -84,6 +101,7 @@ class TritonTier(PythonTier):
             "autotune_benchmarks": benchmarks,  # configs timed; 0 = nothing autotuned here
             "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
             "launches_per_forward": net.launches,
+            **({"fp8": FP8_RECIPE} if fp8 else {}),
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))
 

@@ -8,6 +8,13 @@ times CIN channels) is a single contiguous run of KW*CIN elements, whatever the 
 KW*CIN contiguous elements: the A loads stay contiguous (vectorised) for 1x1, 3x3 and 7x7 alike, and the 7x7 stem with
 its 3 input channels wastes little of a K tile (rows of 21 elements instead of 3).
 A 1x1 convolution on a 1x1 image is a plain GEMM, so the classifier (FC + bias) runs on this kernel too.
+
+FP8 (e4m3, Hopper's tensor cores at twice the bf16 rate): the weights are stored in e4m3 with one scale per output
+channel (batch-norm folding gives each channel its own range); the activations stay bf16 in memory, and each A tile
+is scaled by its layer's calibrated 1 / scale (one per tensor) and rounded to e4m3 on the chip; the fp32 accumulator
+is scaled back by both scales before the epilogue. Hopper's FP8 (and TF32) tensor
+core instructions read B with K contiguous, so those weights are packed K-major ([COUT, K]); bf16 and strict-fp32
+weights keep COUT contiguous.
 """
 from __future__ import annotations
 
@@ -59,13 +66,16 @@ def _fixed(m, cout, row, elem):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bm * bn >= 16384 else 4, num_stages=3)
 
 
-@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE"], prune=_prune)
+# PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
+@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION"], prune=_prune)
 @triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW"])  # sizes vary per layer: one compile for all of them
 def conv2d_nhwc_kernel(
-        x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [KH*KW*CIN, COUT]; bias [COUT] fp32; res, y [M, COUT]
-        M, H, W, CIN, OH, OW, COUT,
+        x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [K, COUT] or K-major [COUT, K] (K = KH*KW*CIN);
+        M, H, W, CIN, OH, OW, COUT,              # bias [COUT] fp32; res, y [M, COUT]
+        scale_ptr, a_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the input's
         KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
+        FP8: tl.constexpr, W_KMAJOR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr = 8):
     # Which output tile: programs are numbered in groups of GROUP_M tiles down M, so programs running together share
     # the same weight tiles (and neighbouring input rows) in L2.
@@ -101,11 +111,18 @@ def conv2d_nhwc_kernel(
             col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
             a_mask = a_mask & ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b_ptrs = w_ptr + (kh * ROW + kk)[:, None] * COUT + offs_n[None, :]
+        if FP8:  # e4m3 saturates at 448: clamp first, as a calibrated scale leaves only outliers there
+            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)
+        if W_KMAJOR:
+            b_ptrs = w_ptr + offs_n[None, :] * (KH * ROW) + (kh * ROW + kk)[:, None]
+        else:
+            b_ptrs = w_ptr + (kh * ROW + kk)[:, None] * COUT + offs_n[None, :]
         b = tl.load(b_ptrs, mask=(kk < ROW)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
 
     # Epilogue, on the fp32 tile before it leaves the chip: folded batch-norm bias, residual, ReLU.
+    if FP8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     y_offs = offs_m[:, None] * COUT + offs_n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
@@ -120,18 +137,34 @@ def conv2d_nhwc_kernel(
 class PackedConv:
     """A convolution with its batch-norm folded in, laid out for the kernel."""
 
-    weight: torch.Tensor  # [KH*KW*CIN, COUT]: rows ordered (kh, kw, cin), cin fastest, matching the NHWC input
-    bias: torch.Tensor  # [COUT], fp32 (added to the fp32 accumulator)
+    weight: torch.Tensor  # [KH*KW*CIN, COUT]: rows ordered (kh, kw, cin), cin fastest, matching the NHWC input;
+    bias: torch.Tensor  # [COUT], fp32 (added to the fp32 accumulator)      K-major: its transpose, [COUT, K]
     kh: int
     kw: int
     stride: int
     pad: int
+    kmajor: bool = False
+    scale: torch.Tensor | None = None  # FP8: [COUT] fp32, the input's scale (amax / 448) x each channel's weights'
+    input_scale: float = 1.0  # FP8: the input's calibrated scale
+
+    @property
+    def cout(self) -> int:
+        return self.weight.shape[0 if self.kmajor else 1]
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight.dtype == torch.float8_e4m3fn
 
 
-def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu") -> PackedConv:
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+
+
+def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu", kmajor=False,
+              input_amax: float | None = None) -> PackedConv:
     """Fold an eval-mode BatchNorm2d (`bn`) into the convolution's [COUT, CIN, KH, KW] `weight` and `bias`:
     bn(conv(x)) = conv(x; weight * s) + (bias - mean) * s + beta, with s = gamma / sqrt(var + eps). Folded in fp64,
-    rounded once to `dtype`."""
+    rounded once to `dtype`; with `input_amax` (the largest |input| the calibration saw), to e4m3 with one scale for
+    the weights and one for the input, K-major."""
     def f64(t):  # folding happens on the host, wherever the model lives
         return t.detach().to("cpu", torch.float64)
 
@@ -143,15 +176,23 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         b = (b - f64(bn.running_mean)) * s + f64(bn.bias)
     cout, cin, kh, kw = w.shape
     packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
-    return PackedConv(packed.to(device, dtype).contiguous(), b.to(device, torch.float32).contiguous(),
-                      kh, kw, stride, pad)
+    bias32 = b.to(device, torch.float32).contiguous()
+    if input_amax is not None:
+        w_scale = packed.abs().amax(0).clamp_min(1e-30) / E4M3_MAX  # per output channel
+        e4m3 = (packed / w_scale).t().to(torch.float8_e4m3fn)
+        input_scale = max(input_amax, 1e-30) / E4M3_MAX
+        return PackedConv(e4m3.to(device).contiguous(), bias32, kh, kw, stride, pad, True,
+                          (w_scale * input_scale).to(device, torch.float32).contiguous(), input_scale)
+    if kmajor:
+        packed = packed.t()
+    return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, kmajor)
 
 
 def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
            precision: str = "ieee", tune: bool = True) -> torch.Tensor:
     """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN])."""
     n, h, w, cin = x.shape
-    cout = p.weight.shape[1]
+    cout = p.cout
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
     y = torch.empty((n, oh, ow, cout), device=x.device, dtype=x.dtype)
     m = n * oh * ow
@@ -160,6 +201,7 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
 
     args = (x, p.weight, p.bias, y if residual is None else residual, y, m, h, w, cin, oh, ow, cout,
-            p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision)
+            p.bias if p.scale is None else p.scale, 1.0 / p.input_scale,
+            p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor)
     launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kw * cin, x.element_size()))
     return y

@@ -11,19 +11,36 @@ from kernels.triton.conv import PackedConv, conv2d, pack_conv
 from kernels.triton.pool import global_avg_pool, max_pool2d
 
 
-def _pack(conv: torch.nn.Conv2d, bn, dtype, device) -> PackedConv:
+def _pack(conv: torch.nn.Conv2d, bn, dtype, device, **packing) -> PackedConv:
     if conv.groups != 1 or conv.dilation != (1, 1) or conv.stride[0] != conv.stride[1]:
         raise ValueError(f"unsupported convolution {conv} (grouped, dilated or anisotropic)")
-    return pack_conv(conv.weight, conv.stride[0], conv.padding[0], bn, conv.bias, dtype, device)
+    return pack_conv(conv.weight, conv.stride[0], conv.padding[0], bn, conv.bias, dtype, device, **packing)
 
 
-def pack_block(block: torch.nn.Module, dtype, device):
+def pack_block(block: torch.nn.Module, dtype, device, packing=lambda name: {}, prefix: str = ""):
     """A BasicBlock or Bottleneck: its convolutions in order (the last one takes the residual) and the optional
-    downsample (1x1 convolution + batch-norm on the shortcut)."""
+    downsample (1x1 convolution + batch-norm on the shortcut). `packing(path)`: pack_conv's layout and FP8 options
+    for the convolution at `prefix` + its name."""
     names = ("1", "2", "3") if hasattr(block, "conv3") else ("1", "2")
-    convs = [_pack(getattr(block, "conv" + i), getattr(block, "bn" + i), dtype, device) for i in names]
-    down = _pack(block.downsample[0], block.downsample[1], dtype, device) if block.downsample is not None else None
+    convs = [_pack(getattr(block, "conv" + i), getattr(block, "bn" + i), dtype, device,
+                   **packing(f"{prefix}conv{i}")) for i in names]
+    down = (_pack(block.downsample[0], block.downsample[1], dtype, device, **packing(f"{prefix}downsample.0"))
+            if block.downsample is not None else None)
     return convs, down
+
+
+def input_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """The calibration pass: the largest |input| each convolution sees in an fp32 forward of `x`, by module path."""
+    amax: dict[str, float] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, inp, p=path: amax.__setitem__(p, inp[0].abs().max().item()))
+             for path, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model.float()(x.float())
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
 
 
 def run_block(x: torch.Tensor, packed, conv=conv2d) -> torch.Tensor:
@@ -37,21 +54,30 @@ def run_block(x: torch.Tensor, packed, conv=conv2d) -> torch.Tensor:
 
 class TritonResNet:
     """torchvision's ResNet (BasicBlock or Bottleneck blocks) with batch-norm folded at construction.
-    `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32"."""
+    `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32" (weights K-major).
+    `fp8_amax`: each convolution's calibrated input amax by module path (input_amax): the blocks' convolutions then
+    run in e4m3 with bf16 activations (`dtype` bf16); the stem and the classifier stay bf16, as FP8 recipes keep
+    the first and last layers."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
+                 fp8_amax: dict[str, float] | None = None):
         self.conv = partial(conv2d, precision=precision, tune=tune)
         self.max_pool = partial(max_pool2d, tune=tune)
         self.avg_pool = partial(global_avg_pool, tune=tune)
-        self.stem = _pack(model.conv1, model.bn1, dtype, device)
-        self.blocks = [pack_block(block, dtype, device)
-                       for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
-        fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
-        self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device)
-        self.launches = 3 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
-        # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.
+        kmajor = dtype == torch.float32 and precision == "tf32"
+
+        def packing(path: str) -> dict:
+            return {"input_amax": fp8_amax[path]} if fp8_amax else {"kmajor": kmajor}
+
+        self.stem = _pack(model.conv1, model.bn1, dtype, device, kmajor=kmajor)
         blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
                                                                     model.layer4)) for j in range(len(layer))]
+        self.blocks = [pack_block(block, dtype, device, packing, f"{name}.") for name, block in zip(
+            blocks, (b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer))]
+        fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
+        self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device, kmajor=kmajor)
+        self.launches = 3 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
+        # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.
         self.paths = {id(self.stem): "conv1", id(self.fc): "fc"}
         for name, (convs, down) in zip(blocks, self.blocks):
             self.paths.update({id(p): f"{name}.conv{i + 1}" for i, p in enumerate(convs)})
