@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "kernels.h"
@@ -252,10 +253,15 @@ Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* work
   return pack;
 }
 
-// Times up to `candidates` allowed engine configurations of the graph from each list, the heuristics' (mode A) and
-// cuDNN's fallback list, and keeps the fastest; unfused, the time includes our epilogue kernel. Both lists: for
-// strict fp32 (no tensor cores) mode A's few allowed engines can be 100x slower than a fallback one (a 1x1 data
-// gradient ran at 0.4 TFLOP/s). Throws with the reasons if none runs.
+// The heuristic lists searched, by the index an engine table records (0 and 1 first: tables written before mode B
+// was searched stay valid).
+constexpr cudnnBackendHeurMode_t kHeurModes[] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK, CUDNN_HEUR_MODE_B};
+
+// Times up to `candidates` allowed engine configurations of the graph from each list, the heuristics' (modes A
+// and B) and cuDNN's fallback list, and keeps the fastest; unfused, the time includes our epilogue kernel. Several
+// lists: for strict fp32 (no tensor cores) mode A's few allowed engines can be 100x slower than a fallback one (a
+// 1x1 data gradient ran at 0.4 TFLOP/s), and mode B ranks engines by a slower, more accurate model. An engine two
+// lists share is timed once. Throws with the reasons if none runs.
 std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec, bool fused, const ConvIO& io,
                                      TuningWorkspace& ws, int candidates, cudaStream_t stream) {
   auto best = std::make_shared<ConvPlan>();
@@ -265,9 +271,9 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
   std::unique_ptr<Desc> best_cfg;
   std::string errors;
   int listed = 0, allowed_n = 0, finalized_ok = 0;  // for the message when nothing runs
-  const cudnnBackendHeurMode_t modes[] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
-  for (int mode_i = 0; mode_i < 2; ++mode_i) {
-    const cudnnBackendHeurMode_t mode = modes[mode_i];
+  std::vector<int64_t> seen;  // engines already listed by an earlier list
+  for (int mode_i = 0; mode_i < int(std::size(kHeurModes)); ++mode_i) {
+    const cudnnBackendHeurMode_t mode = kHeurModes[mode_i];
     int finalized = 0;  // runtime-compiled engines compile in finalize: bound the attempts, not only the successes
     int timed = 0;
     std::vector<Desc> cfgs;
@@ -283,6 +289,9 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       if (timed >= candidates) break;
       EngineInfo info = engine_info(cfg);
       if (!allowed(info, *spec.precision)) continue;
+      // Mode B mostly reorders mode A's list: skip an engine mode A or the fallback list already timed.
+      if (mode == CUDNN_HEUR_MODE_B && std::find(seen.begin(), seen.end(), info.index) != seen.end()) continue;
+      seen.push_back(info.index);
       ++allowed_n;
       if (++finalized > 4 * candidates) break;
       auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
@@ -363,7 +372,8 @@ std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec&
   out->fused = choice.fused;
   std::vector<Desc> cfgs;
   try {
-    cfgs = engine_configs(out->keep.back(), choice.heur_mode ? CUDNN_HEUR_MODE_FALLBACK : CUDNN_HEUR_MODE_A);
+    if (choice.heur_mode < 0 || choice.heur_mode >= int(std::size(kHeurModes))) return nullptr;
+    cfgs = engine_configs(out->keep.back(), kHeurModes[choice.heur_mode]);
   } catch (const std::exception&) {
     return nullptr;
   }
