@@ -73,6 +73,27 @@ def flops_per_group(model_name: str, res: int) -> dict[str, int]:
     return groups
 
 
+@functools.lru_cache(maxsize=None)
+def elements_per_group(model_name: str, res: int) -> dict[str, tuple[int, int]]:
+    """Per layer group: (activation elements per image, weight elements) its convolutions and classifier read and
+    write with each tensor through memory once (input, output, and the shortcut a block's last convolution adds):
+    the floor of its memory traffic, as a layer's roofline counts it."""
+    with torch.device("meta"):
+        model = skeleton(model_name).eval()
+    groups: dict[str, list[int]] = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            def hook(mod, inputs, output, p=path):
+                extra = output.numel() if epilogue_of(p, model) == "add+relu" else 0
+                g = groups.setdefault(group_of(p), [0, 0])
+                g[0] += (inputs[0].numel() + output.numel() + extra) // inputs[0].shape[0]
+                g[1] += mod.weight.numel()
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.empty(1, 3, res, res, device="meta"))
+    return {g: (a, w) for g, (a, w) in groups.items()}
+
+
 @contextlib.contextmanager
 def module_scopes(model: torch.nn.Module) -> Iterator[None]:
     """Every submodule's forward inside a profiler range named SCOPE + its path, while the context lasts."""

@@ -159,9 +159,10 @@ def resolve(h: Host | None, forward_layers: dict[int, tuple[str, str]]) -> tuple
 
 
 def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str, int] | None, batch: int,
-              train: bool) -> dict[str, Any]:
+              train: bool, group_bytes: dict[str, int] | None = None) -> dict[str, Any]:
     """The census of a trace (see the module's docstring). `group_flops`: FLOPs of one image's forward per group
-    (core.layers.flops_per_group), for TFLOP/s per group."""
+    (core.layers.flops_per_group), for TFLOP/s per group; `group_bytes`: each group's floor of memory traffic for
+    the batch (inference), for the GB/s it moves at least."""
     threads = nest(events)
     starts = {tid: [h.ts for h in hosts] for tid, hosts in threads.items()}
     all_hosts = sorted((h for hs in threads.values() for h in hs), key=lambda h: h.ts)
@@ -246,9 +247,11 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
                                                     else len(GROUP_ORDER), g["group"])):
         ms = g["us"] / n / 1e3
         flops = (group_flops or {}).get(g["group"])
+        nbytes = None if train else (group_bytes or {}).get(g["group"])
         group_rows.append({"group": g["group"], "ms": ms, "kernels": g["kernels"] / n,
                            "share": g["us"] / n / kernel_us if kernel_us else None,
-                           "tflops": flops * batch * (3 if train else 1) / (ms * 1e-3) / 1e12 if flops and ms else None})
+                           "tflops": flops * batch * (3 if train else 1) / (ms * 1e-3) / 1e12 if flops and ms else None,
+                           "floor_gbs": nbytes / (ms * 1e6) if nbytes and ms else None})
     walls = [s.end - s.ts for s in steps]
     return {
         "unit": "GPU kernels" if gpu else "CPU operators (self time)",

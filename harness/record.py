@@ -11,7 +11,7 @@ from core import train
 from core.cell import Cell
 from core.env import source_revision, utc_now
 from core.flops import flops_per_image
-from core.layers import convolutions, flops_per_group
+from core.layers import convolutions, elements_per_group, flops_per_group
 from core.parity import compare
 from core.stats import summarize
 from harness import census
@@ -31,7 +31,9 @@ DEFINITIONS = {
               "phase): unit (GPU kernels; on the CPU operators by self time), steps profiled, wall_ms (a step's "
               "wall time, synchronised), busy_ms (time at least one kernel ran), kernel_ms (the kernels' summed "
               "time per step), host_gaps_ms (wall - busy: the host's cost), kernels_per_step, attribution (share of "
-              "kernel time per basis: harness/census.py), groups and layers (ms, kernels and TFLOP/s per step), "
+              "kernel time per basis: harness/census.py), groups and layers (ms, kernels and TFLOP/s per step; a "
+              "group's floor_gbs: its convolutions' inputs, outputs, shortcuts and weights through memory once, per "
+              "second of its time: the least it moves), "
               "kernels (launches per step, total_ms per step, median_us, share), trace (the Chrome trace)",
     "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
               "withheld), 'crashed' (killed by a signal or a non-zero exit), 'oom' (an allocator refused, or the "
@@ -199,8 +201,11 @@ def census_of(ctx: Context, cell: Cell, raw: dict) -> dict:
         return raw
     trace = cell_dir(ctx.run, cell) / "census.trace.json"
     try:
+        element = 4 if cell.dtype in ("fp32", "tf32") else 2  # fp8 cells keep bf16 activations
+        group_bytes = {g: (act * cell.batch + weights) * element
+                       for g, (act, weights) in elements_per_group(cell.model, cell.res).items()}
         summary = census.summarise(census.load(trace), convolutions(cell.model), flops_per_group(cell.model, cell.res),
-                                   cell.batch, cell.task == "train")
+                                   cell.batch, cell.task == "train", group_bytes)
     except (OSError, ValueError, KeyError) as e:
         return {**raw, "error": f"{type(e).__name__}: {e}"}
     return {**raw, **summary, "trace": str(trace.relative_to(ctx.run.path))}

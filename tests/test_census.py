@@ -39,6 +39,7 @@ def test_every_rung_has_a_census_by_layer_group(side_by_side):
         assert sum(k["share"] for k in r["kernels"]) == pytest.approx(1.0, rel=1e-6)
         assert sum(r["attribution"].values()) == pytest.approx(1.0, rel=1e-6)
         assert r["busy_ms"] <= r["wall_ms"] * 1.001 and r["measured_ms"] > 0
+        assert all(g["floor_gbs"] > 0 and g["tflops"] > 0 for g in r["groups"] if g["group"].startswith("layer"))
     # each rung's layers by its own means: module scopes, TorchScript's hierarchy, the convolutions matched in
     # order (compile and libtorch), ONNX Runtime's node names
     assert by_rung["eager"]["attribution"]["module scopes"] > 0.95
