@@ -14,6 +14,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -23,6 +24,7 @@ from core.paths import REPO
 from harness.context import Context
 from harness.measure import measure_cells
 from harness.record import base_record
+from harness.refusal import Refusal
 from harness.rundir import RunDir
 
 EXECUTORS = ("local", "ray")
@@ -85,14 +87,15 @@ def portable(ctx: Context) -> dict:
     return {**fields, "run": (str(ctx.run.path), ctx.run.model, ctx.run.device)}
 
 
-def measure_unit(context: dict, cells: list[Cell]) -> list[dict]:
+def measure_unit(context: dict, cells: list[Cell]) -> tuple[list[dict], float, float]:
     """A Ray task's body, in its worker: the unit's records, in order (the GPU is the one Ray assigned, which
-    CUDA_VISIBLE_DEVICES names in this process)."""
+    CUDA_VISIBLE_DEVICES names in this process), and when the body began and ended (epoch seconds)."""
+    began = time.time()
     path, model, device = context.pop("run")
     ctx = Context(run=RunDir(path, model, device), **context)
     records: list[dict] = []
     measure_cells(ctx, cells, records.append)
-    return records
+    return records, began, time.time()
 
 
 def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address: str | None) -> None:
@@ -108,25 +111,34 @@ def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address:
                  runtime_env={"env_vars": env})
     gpu = bool(units) and units[0][0].device == "cuda"
     task = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_calls=1, max_retries=1)(measure_unit)
+    # As many units in flight as the cluster has GPUs (one at a time for CPU cells): a task then starts as soon as
+    # Ray can start it, and the time from its submission to its body is Ray's own cost, never a wait for a GPU.
+    slots = int(ray.cluster_resources().get("GPU", 0)) if gpu else 1
+    if slots < 1:
+        raise Refusal("--executor ray: the Ray cluster has no GPU (ray start --num-gpus, or a GPU host)")
     waiting = list(units)
     running: dict = {}
+    submitted: dict = {}
     try:
         while waiting or running:
-            while waiting and (gpu or not running):  # CPU cells one unit at a time
+            while waiting and len(running) < slots:
                 cells = waiting.pop(0)
-                running[task.remote(portable(ctx), cells)] = cells
+                ref = task.remote(portable(ctx), cells)
+                running[ref], submitted[ref] = cells, time.time()
             done, _ = ray.wait(list(running), num_returns=1)
             cells = running.pop(done[0])
             try:
-                records = ray.get(done[0])
+                records, began, ended = ray.get(done[0])
+                overhead = {"dispatch_s": began - submitted[done[0]], "return_s": time.time() - ended,
+                            "unit_cells": len(cells)}
             except ray.exceptions.RayError as e:  # its worker or node lost twice, or an error of ours in it
                 on_record({**base_record(cells[0]), "status": "crashed",
                            "reason": " ".join(f"its Ray task failed: {type(e).__name__}: {e}".split())[:500]})
                 if cells[1:]:
                     waiting.insert(0, cells[1:])
                 continue
-            for record in records:
-                on_record(record)
+            for record in records:  # Ray's cost of the unit: task submission to body, body's end to its result here
+                on_record({**record, "ray": overhead})
     except KeyboardInterrupt:
         for ref, cells in running.items():
             ray.cancel(ref, force=True)  # its worker and the rung's process under it (PDEATHSIG) end now

@@ -199,6 +199,8 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     for line in report.fastest_lines(records):
         console.print(line, markup=False)
+    if report.ray_line(records):
+        console.print(report.ray_line(records), markup=False)
     if meta["environment"].get("host_cpu"):
         console.print(report.host_cpu_line(meta["environment"]["host_cpu"]), markup=False)
     json_path, md_path = config.json or run_dir.path / "ladder.json", config.markdown or run_dir.path / "ladder.md"

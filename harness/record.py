@@ -45,6 +45,10 @@ DEFINITIONS = {
     "where": "what measured the cell: host (its name), gpu (NVML name and UUID of the GPU its child ran on, and "
              "where a local run spread over several GPUs its measured matmul_tflops per dtype), cpu_affinity (the "
              "child's CPUs, a cpulist: its GPU's NUMA node where the host says, else every CPU)",
+    "ray": "--executor ray: the cost of the Ray task that measured the cell's unit (one rung's cells), the same in "
+           "each of its records: dispatch_s (from its submission, with a GPU free, to its body starting in a fresh "
+           "worker), return_s (from the body's end to its records back at the driver), unit_cells; across hosts both "
+           "carry the offset between the two hosts' clocks",
     "isolation": "'rung': one process per rung measured its cells in turn, caches kept between processes; 'cell': "
                  "a fresh process with fresh caches per cell",
     "start": "what the cell's first result had: 'cold' (fresh process, empty caches), 'warm-start' (fresh process, "

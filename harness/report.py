@@ -370,6 +370,17 @@ def failure_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def ray_line(records: list[dict]) -> str | None:
+    """What Ray cost per unit of the run (--executor ray): dispatch and return, median and largest."""
+    units = {(r["tier"], r["ray"]["dispatch_s"]): r["ray"] for r in records if r.get("ray")}
+    if not units:
+        return None
+    dispatch = sorted(u["dispatch_s"] for u in units.values())
+    back = sorted(u["return_s"] for u in units.values())
+    return (f"Ray: {len(units)} tasks; to start one {dispatch[len(dispatch) // 2]:.2f} s median "
+            f"({dispatch[-1]:.2f} s most), its records back {back[len(back) // 2] * 1e3:.0f} ms median")
+
+
 def fastest_lines(records: list[dict]) -> list[str]:
     """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
     ok = [r for r in records if ranked(r)]

@@ -60,12 +60,14 @@ def test_ray_gives_the_records_local_does(cluster, tmp_path):
     assert ladder(local, *CELLS).returncode == 0
     proc = ladder(ray, *CELLS, *cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Ray: " in proc.stdout and " tasks; to start one " in proc.stdout
     a, b = cells_of(local), cells_of(ray)
     assert a.keys() == b.keys() and len(a) == 4
     for key in a:
         for field in ("status", "start", "process_position"):
             assert a[key][field] == b[key][field], (key, field)
         assert b[key]["parity"]["ok"] and b[key]["where"]["host"] == os.uname().nodename
+        assert b[key]["ray"]["dispatch_s"] >= 0 and b[key]["ray"]["return_s"] >= 0 and "ray" not in a[key]
     again = ladder(ray, *CELLS, *cluster)
     assert again.returncode == 0 and "4 already recorded" in again.stdout
     assert len((ray / "results.jsonl").read_text().splitlines()) == 4
