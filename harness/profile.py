@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from core.cell import Built

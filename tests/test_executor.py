@@ -3,7 +3,6 @@ cluster's head) against the local executor, resume, a rung's process killed mid-
 mid-cell, and the local executor with two slots side by side."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
