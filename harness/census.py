@@ -5,8 +5,8 @@ per step, the GPU's busy time against the step's wall time, and the kernels' tim
 What counts as a kernel: on the GPU each kernel, copy and memset the trace holds (CUPTI); on the CPU each operator
 with its self time (there are no kernels to count). Which layer a kernel belongs to is read from the trace, innermost
 first, by the first of these that applies to the host range that launched it:
-- the rung's own profiler: ranges it adds to the trace with the layer in their args (ONNX Runtime's nodes, named
-  by the exporter's module scopes);
+- the rung's own ranges: those it adds to the trace with the layer in their args (ONNX Runtime's nodes, named by
+  the exporter's module scopes; the cudnn rung's schedule);
 - module scopes: the ranges the rung put around each module's forward (core.layers.module_scopes, eager);
 - module hierarchy: TorchScript's own record of the module an operator came from;
 - autograd: a backward operator belongs to the layer of the forward operator with its sequence number;

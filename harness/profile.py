@@ -40,8 +40,12 @@ def record(built: Built, example: Any, sync: Callable[[], None], steps: int, pat
     source = "torch.profiler (Kineto" + (", CUPTI)" if gpu else ", CPU operators)")
     if finish is not None:
         trace = json.loads(path.read_text())
-        base_us = trace["baseTimeNanoseconds"] / 1e3  # the trace's ts are µs after this instant
-        trace["traceEvents"] += [{**e, "ts": e["ts"] - base_us} for e in finish()]
-        write_text_atomic(path, json.dumps(trace))
-        source += " with the rung's own profiler"
+        ranges = finish()
+        if "baseTimeNanoseconds" in trace:  # the trace's ts are µs after this instant
+            base_us = trace["baseTimeNanoseconds"] / 1e3
+            trace["traceEvents"] += [{**e, "ts": e["ts"] - base_us} for e in ranges]
+            write_text_atomic(path, json.dumps(trace))
+            source += " with the rung's own profiler"
+        else:
+            source += "; the rung's own profiler's ranges left out: the trace gives no base time to align them"
     return {"steps": steps, "source": source, "module_scopes": named}
