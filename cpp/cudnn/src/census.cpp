@@ -100,7 +100,11 @@ CuptiTrace::CuptiTrace() {
     std::lock_guard<std::mutex> lock(records_mutex);
     records.clear();
   }
-  CUPTI_CHECK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
+  static const bool registered = [] {  // once per process: a child measuring several cells traces each
+    CUPTI_CHECK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
+    return true;
+  }();
+  (void)registered;
   for (CUpti_ActivityKind k : kKinds) CUPTI_CHECK(cuptiActivityEnable(k));
 }
 
