@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from core import proc as procs
 from core.cell import Cell
+from core.parity import NEARER_THAN_ANOTHER_INPUT
 from core.files import write_text_atomic
 from core.paths import REPO
 from harness.context import Context
@@ -99,9 +100,10 @@ class PrepareStage:
                                                  "time_to_first_result_s": sum(cold.values()), **cold,
                                                  "concurrent_jobs": beside}}
 
-    def reference(self, batch: int, res: int, task: str) -> None:
+    def reference(self, batch: int, res: int, task: str, seed: int = 0) -> None:
         try:
-            self.counted(f"eager {task} reference b{batch} r{res}", lambda: self.ctx.run.reference(batch, res, task))
+            self.counted(f"eager {task} reference b{batch} r{res}{f' (input {seed})' if seed else ''}",
+                         lambda: self.ctx.run.reference(batch, res, task, seed))
         except ReferenceFailed:
             pass  # remembered by the run directory and recorded for each of its cells
 
@@ -115,7 +117,9 @@ class PrepareStage:
         for name, cells in groups.items():
             tier = self.tiers[name]
             runnable = [c for c in cells if tier.availability(c.device) is None and tier.supports(c) is None]
-            configs |= {(c.batch, c.res, c.task) for c in runnable}
+            configs |= {(c.batch, c.res, c.task, 0) for c in runnable}
+            # another input's reference, for the dtypes whose parity also measures against it (core/parity.py)
+            configs |= {(c.batch, c.res, c.task, 1) for c in runnable if c.dtype in NEARER_THAN_ANOTHER_INPUT}
             by_dtype: dict[str, list[Cell]] = collections.defaultdict(list)
             for c in runnable:
                 by_dtype[c.dtype].append(c)
@@ -125,9 +129,9 @@ class PrepareStage:
                     exports += [lambda cs=cs: self.export(cs) for cs in by_dtype.values()]
             elif runnable and tier.caches and tier.warm_in_prepare and self.ctx.isolation == "rung":
                 warms += [lambda cs=cs: self.warm(cs) for cs in by_dtype.values()]
-        for batch, res, _ in configs:
-            self.ctx.run.input(batch, res)  # written once, here, not by the parallel jobs
-        references = [lambda b=b, r=r, t=t: self.reference(b, r, t) for b, r, t in sorted(configs)]
+        for batch, res, _, seed in configs:
+            self.ctx.run.input(batch, res, seed)  # written once, here, not by the parallel jobs
+        references = [lambda b=b, r=r, t=t, s=s: self.reference(b, r, t, s) for b, r, t, s in sorted(configs)]
         return exports + warms + builds + references
 
 

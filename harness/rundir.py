@@ -56,7 +56,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.results = self.path / "results.jsonl"
         self.weights = self.path / f"{model}.weights.safetensors"
-        self._failed_refs: dict[tuple[int, int], tuple[str, str]] = {}
+        self._failed_refs: dict[tuple, tuple[str, str]] = {}  # (batch, res, task, seed) -> (status, reason)
 
     def lock(self) -> None:
         """Held until this process exits (a dead holder's lock is released by the OS, so a new ladder takes it)."""
@@ -104,31 +104,35 @@ class RunDir:
             if not path.exists():
                 write_atomic(path, lambda tmp, make=make: model_io.write_weights(make(), tmp))
 
-    def input(self, batch: int, res: int) -> Path:
-        p = self.path / "inputs" / f"b{batch}_r{res}.safetensors"
+    def input(self, batch: int, res: int, seed: int = 0) -> Path:
+        """The run's input of this shape (seed 0: what every cell computes on; another seed: another input)."""
+        p = self.path / "inputs" / f"b{batch}_r{res}{f'_s{seed}' if seed else ''}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
-            write_atomic(p, lambda tmp: model_io.write_input(model_io.make_input(batch, res), tmp))
+            write_atomic(p, lambda tmp: model_io.write_input(model_io.make_input(batch, res, seed), tmp))
         return p
 
-    def reference(self, batch: int, res: int, task: str = "infer") -> Path:
+    def reference(self, batch: int, res: int, task: str = "infer", seed: int = 0) -> Path:
         """The eager fp32 reference (TF32 off): the output of one forward, or for training the loss of each parity
-        step and the state after them. Raises ReferenceFailed (remembered) if eager cannot compute it."""
-        if (batch, res, task) in self._failed_refs:
-            raise ReferenceFailed(*self._failed_refs[(batch, res, task)])
+        step and the state after them; of the input of `seed` (core.parity's other input: seed 1). Raises
+        ReferenceFailed (remembered) if eager cannot compute it."""
+        if (batch, res, task, seed) in self._failed_refs:
+            raise ReferenceFailed(*self._failed_refs[(batch, res, task, seed)])
         what = "training " if task == "train" else ""
-        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}_{self.device}.safetensors"
+        p = self.path / "refs" / (f"{self.model}_{task}_b{batch}_r{res}{f'_s{seed}' if seed else ''}_"
+                                  f"{self.device}.safetensors")
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
             proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights_for(task)),
-                              str(self.input(batch, res)), str(p), self.device, task], cwd=REPO, env=procs.child_env(),
+                              str(self.input(batch, res, seed)), str(p), self.device, task], cwd=REPO,
+                             env=procs.child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:])
-                self._failed_refs[(batch, res, task)] = (
+                self._failed_refs[(batch, res, task, seed)] = (
                     "oom" if status == "oom" else "error",
                     f"eager {what}reference (batch {batch}, res {res}) failed: {reason}")
-                raise ReferenceFailed(*self._failed_refs[(batch, res, task)])
+                raise ReferenceFailed(*self._failed_refs[(batch, res, task, seed)])
         return p
 
     def cache(self, tier: str) -> Path:

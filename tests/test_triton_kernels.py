@@ -72,7 +72,7 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
     (docs/notes/fp8-parity.md); the same network given another input fails it. Activations in fp32 here: the
     interpreter has no bf16 arithmetic."""
     from core.model import make_input
-    from core.parity import TOLERANCES, compare
+    from core.parity import TOLERANCES, against_another_input, compare
     from kernels.triton.resnet import TritonResNet, input_amax
 
     model = build_model("resnet18").eval()
@@ -82,8 +82,9 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
         net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=input_amax(model, x))
         assert all(p.fp8 and p.kmajor for convs, down in net.blocks for p in convs + ([down] if down else []))
         assert not net.stem.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
-        fp8 = compare(net(x), ref, "fp8")
-        wrong = compare(net(make_input(8, 32, seed=1)), ref, "fp8")
+        other = model(make_input(8, 32, seed=1))  # the reference of another input, as parity takes it
+        fp8 = against_another_input(compare(net(x), ref, "fp8"), other, ref, "fp8")
+        wrong = against_another_input(compare(net(make_input(8, 32, seed=2)), ref, "fp8"), other, ref, "fp8")
     assert fp8["ok"] and fp8["rel_err"] > TOLERANCES["bf16"]["rel_err"], fp8  # bf16's tolerance would not do
     assert not wrong["ok"], wrong
 
