@@ -323,15 +323,17 @@ def write_plots(doc: dict, directory: Path) -> list[tuple[str, Path]]:
 
 def census_groups(doc: dict, path: Path) -> Path | None:
     """`micro --tiers`: one stacked bar per rung, its kernels' time per call by layer group, with the call's measured
-    latency beside it (what the kernels leave unexplained is the host's); and the same bars as shares of each
-    rung's kernel time, where rungs of very different speed still compare."""
+    latency beside it (what the kernels leave unexplained is the host's); the same bars as shares of each rung's
+    kernel time, where rungs of very different speed still compare; and, rung by rung in the order given, the time
+    each group gains over the rung before it (eager -> compile -> cudnn: where compile gains over eager, and cudnn
+    over compile)."""
     rungs = doc["census"]
     if not rungs:
         return None
     plt = _pyplot()
     groups = list(dict.fromkeys(g["group"] for r in rungs for g in r["groups"]))
     cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
-    fig, (ms_ax, share_ax) = plt.subplots(1, 2, figsize=(max(9.0, 2.2 * len(rungs) + 4), 4.8))
+    fig, (ms_ax, share_ax, gain_ax) = plt.subplots(1, 3, figsize=(max(13.0, 3.2 * len(rungs) + 4), 4.8))
     call = "step" if doc["task"] == "train" else "forward"
     named: set[str] = set()  # each group once in the legend
     for x, r in enumerate(rungs):
@@ -351,6 +353,20 @@ def census_groups(doc: dict, path: Path) -> Path | None:
     for ax in (ms_ax, share_ax):
         ax.set_xticks(range(len(rungs)), [r["label"] for r in rungs], rotation=20 if len(rungs) > 3 else 0)
         ax.grid(True, axis="y", alpha=0.3)
+    width = 0.8 / max(len(groups), 1)
+    for x, (before, after) in enumerate(zip(rungs, rungs[1:])):
+        was = {g["group"]: g["ms"] for g in before["groups"]}
+        now = {g["group"]: g["ms"] for g in after["groups"]}
+        for k, group in enumerate(groups):
+            if group in was and group in now:
+                gain_ax.bar(x - 0.4 + (k + 0.5) * width, was[group] - now[group], width,
+                            color=cmap(k % cmap.N))
+    gain_ax.axhline(0, color="black", lw=0.8)
+    gain_ax.set_xticks(range(len(rungs) - 1), [f"{a['label']}\n-> {b['label']}" for a, b in zip(rungs, rungs[1:])],
+                       fontsize=8)
+    gain_ax.set_ylabel("ms gained per group (below 0: lost)")
+    gain_ax.set_title("each rung against the one before it", fontsize=10)
+    gain_ax.grid(True, axis="y", alpha=0.3)
     unit = "kernels" if rungs[0]["unit"].startswith("GPU") else "CPU operators"
     ms_ax.set_ylabel(f"ms per {call}: {unit}' time by layer group")
     ms_ax.set_title("time", fontsize=10)
