@@ -94,14 +94,9 @@ def census_run(config: LadderConfig, json_path: Path | None, md_path: Path | Non
            "missing": missing_lines(doc["results"])}
     title = (f"{out['model']} {'training step' if out['task'] == 'train' else 'forward'}, batch {out['batch']}, "
              f"res {out['res']}, {out['dtype']}: time per layer group, per rung")
-    table = Table(title=title, caption=f"each rung: {CELL_FORMAT}; every kernel: --json", box=box.SIMPLE_HEAD)
     display = census_display(out["groups"], rungs)
-    for c in display[0]:
-        table.add_column(c, justify="left" if c in ("group", "fastest") else "right", no_wrap=c != "fastest")
-    for row in display:
-        table.add_row(*row.values())
     console = Console()
-    console.print(table)
+    console.print(side_by_side_table(title, f"each rung: {CELL_FORMAT}; every kernel: --json", display))
     for line in out["missing"]:
         console.print(line, markup=False, style="yellow", overflow="ellipsis", no_wrap=True)
     json_path = json_path or config.out / "census.json"
@@ -213,6 +208,16 @@ def census_markdown(title: str, doc: dict, display: list[dict[str, str]], plot: 
     return "\n".join(lines)
 
 
+def side_by_side_table(title: str, caption: str, display: list[dict[str, str]]) -> Table:
+    """A side-by-side's terminal table: its first column (group or layer) and `fastest` left, the rungs right."""
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
+    for i, c in enumerate(display[0] if display else []):
+        table.add_column(c, justify="left" if i == 0 or c == "fastest" else "right", no_wrap=c != "fastest")
+    for row in display:
+        table.add_row(*row.values())
+    return table
+
+
 MD_RUNGS = 3  # rung columns per markdown table: 100 columns hold three
 
 
@@ -285,13 +290,8 @@ def layers_run(tiers: list[str], model: str, batch: int, res: int, dtype: str, c
     rows = layer_rows(layers, per_rung, peaks, batch, dtype)
     title = f"{model}: each layer alone, batch {batch}, res {res}, {dtype}, {layout_name(channels_last)}"
     display = layer_display(rows, list(per_rung))
-    table = Table(title=title, caption="ms per call (median); floor: the layer's roofline; fastest: its lead over "
-                  "the next; parity and raw samples: --json", box=box.SIMPLE_HEAD)
-    for c in display[0] if display else []:
-        table.add_column(c, justify="left" if c in ("layer", "fastest") else "right", no_wrap=c != "fastest")
-    for row in display:
-        table.add_row(*row.values())
-    console.print(table)
+    console.print(side_by_side_table(title, "ms per call (median); floor: the layer's roofline; fastest: its lead over "
+                                     "the next; parity and raw samples: --json", display))
     for line in missing:
         console.print(line, markup=False, style="yellow", overflow="ellipsis", no_wrap=True)
     doc = {"environment": environment(device), "model": model, "batch": batch, "res": res, "dtype": dtype,
