@@ -304,8 +304,9 @@ def layers_run(tiers: list[str], model: str, batch: int, res: int, dtype: str, c
             "block's shortcut, read from memory; none: the downsample), run alone. Each rung's column: median ms "
             "per call and, in brackets, the share of the layer's roofline floor it reaches (the larger of its FLOPs "
             "at the measured matmul rate and its bytes at the measured copy bandwidth). FAIL: parity against eager "
-            "fp32 failed. *: a hand-written rung's time from its own per-layer microbenchmark, whose parity it "
-            "does not check there (its whole network's is, in the ladder).", 100), "",
+            "fp32 failed. A hand-written rung's time comes from its own per-layer microbenchmark (triton: its "
+            "convolution with bias and ReLU, checked there against F.conv2d); *: one that does not check parity "
+            "there (cudnn; its whole network's is checked in the ladder).", 100), "",
         *side_by_side_markdown(display, "layer"), *(f"- {line}" for line in missing), ""]))
     console.print(f"JSON: {json_path}  markdown: {md_path}", markup=False)
     return 1 if any(not (r.get("parity") or {}).get("ok", True) for d in per_rung.values() for r in d.values()) else 0
@@ -330,7 +331,8 @@ def hand_written_rows(name: str, rows: list[dict], layers: tuple[Layer, ...]) ->
             (r for r in rows if r.get("shape") and layer.shape.startswith(r["shape"] + " ")), None)
         if row is not None:
             by_path[layer.path] = {"median_ms": row.get("median_ms", row.get(f"{name}_ms")),
-                                   "timed": "its own per-layer microbenchmark", "row": row}
+                                   "timed": "its own per-layer microbenchmark", "row": row,
+                                   **({"parity": row["parity"]} if "parity" in row else {})}
     return by_path
 
 

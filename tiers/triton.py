@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from core.cell import DTYPES, Built, Cell, Store, layout_name
 from core.layers import SCOPE
 from core.model import build_model
+from core.parity import TOLERANCES
 from core.placement import memory_format, set_math_mode, torch_dtype
 from tiers.base import PythonTier
 
@@ -108,7 +109,8 @@ class TritonTier(PythonTier):
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
         """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,
         autotuned) vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor
-        (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench."""
+        (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench; our
+        kernel's output checked against F.conv2d + ReLU in fp32 (TF32 off) with the dtype's tolerance."""
         from triton.testing import do_bench  # Triton: only where it runs
 
         from kernels.triton.conv import conv2d, pack_conv  # Triton: only where it runs
@@ -130,6 +132,13 @@ class TritonTier(PythonTier):
             flop = 2 * batch * ho * wo * cout * cin * k * k
             row = {"shape": f"{k}x{k}/s{stride} {cin}->{cout} @{h}x{w}", "count": count, "batch": batch, "dtype": dtype,
                    "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3)}
+            set_math_mode("fp32")
+            ref = F.relu(F.conv2d(x.float(), weight.float(), bias.float(), stride, pad))
+            set_math_mode(dtype)
+            out = conv2d(nhwc, packed, precision=precision).permute(0, 3, 1, 2).float()
+            rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            row["parity"] = {"ok": rel <= TOLERANCES[dtype]["rel_err"], "rel_err": rel,
+                             "reference": "F.conv2d + ReLU in fp32, TF32 off"}
             for name, fn in (("triton", lambda: conv2d(nhwc, packed, precision=precision)),
                              ("cudnn", lambda: F.conv2d(x, weight, bias, stride, pad)),
                              ("inductor", lambda: inductor(x))):
