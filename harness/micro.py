@@ -204,7 +204,8 @@ def census_markdown(title: str, doc: dict, display: list[dict[str, str]], plot: 
                   *textwrap.wrap(f"{r['source']}; {r['unit']}; layers by: {basis}.", 100), "",
                   *markdown_table([{"kernel": short(k["name"]), "per call": f"{k['launches']:.0f}",
                                     "ms": f"{k['total_ms']:.3f}", "share": f"{k['share']:.0%}",
-                                    "groups": ",".join(k["groups"])[:24]} for k in r["kernels"][:10]]), ""]
+                                    "groups": ",".join(k["groups"]) if len(k["groups"]) < 3
+                                    else f"{len(k['groups'])} groups"} for k in r["kernels"][:10]]), ""]
     return "\n".join(lines)
 
 
