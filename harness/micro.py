@@ -200,7 +200,8 @@ def census_markdown(title: str, doc: dict, display: list[dict[str, str]], plot: 
         lines += [f"![where each rung's time goes]({plot.name})", ""]
     for r in doc["census"]:
         basis = ", ".join(f"{b} {s:.0%}" for b, s in r["attribution"].items())
-        lines += [f"## {r['label']}: its ten costliest of {len(r['kernels'])} kernels", "",
+        lines += [f"## {r['label']}: its kernels, costliest first ({min(10, len(r['kernels']))} of "
+                  f"{len(r['kernels'])})", "",
                   *textwrap.wrap(f"{r['source']}; {r['unit']}; layers by: {basis}.", 100), "",
                   *markdown_table([{"kernel": short(k["name"]), "per call": f"{k['launches']:.0f}",
                                     "ms": f"{k['total_ms']:.3f}", "share": f"{k['share']:.0%}",
