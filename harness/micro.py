@@ -171,7 +171,8 @@ def census_display(groups: list[dict], rungs: list[dict]) -> list[dict[str, str]
     rows.append({"group": "busy/wall", **{r["label"]: f"{r['busy_ms']:.3g}/{r['wall_ms']:.3g}" for r in rungs},
                  "fastest": ""})
     rows.append({"group": "kern/measured", **{
-        r["label"]: f"{r['kernel_ms']:.3g}/{r['measured_ms']:.3g}" if r.get("measured_ms") else "" for r in rungs},
+        r["label"]: f"{r['kernel_ms']:.3g}/{r['measured_ms']:.3g} {r['kernel_ms'] / r['measured_ms']:.0%}"
+        if r.get("measured_ms") else "" for r in rungs},
         "fastest": ""})
     return rows
 
@@ -192,9 +193,9 @@ def census_markdown(title: str, doc: dict, display: list[dict[str, str]], plot: 
              "```", "",
              *textwrap.wrap(f"Each rung's column: {CELL_FORMAT} in that group. `fastest`: the rung with the least "
                             "time there and its lead over the next. `busy/wall` (ms): time at least one kernel ran "
-                            "against the profiled call's wall time (the rest is the host's). `kern/measured` (ms): "
-                            "the kernels' summed time against the cell's measured latency (median of the timed "
-                            "phase, without the profiler).", 100), "",
+                            "against the profiled call's wall time (the rest is the host's). `kern/measured` (ms, and "
+                            "their ratio): the kernels' summed time against the cell's measured latency (median of "
+                            "the timed phase, without the profiler): near 100% for a GPU-bound cell.", 100), "",
              *side_by_side_markdown(display), *(f"- {line}" for line in doc["missing"]), ""]
     if plot:
         lines += [f"![where each rung's time goes]({plot.name})", ""]
