@@ -13,7 +13,7 @@ from pathlib import Path
 from core.cell import DTYPES, FRAMEWORK_DTYPES, TASKS
 from core.env import default_device
 from core.model import CLASSIFIERS
-from harness import accuracy, compare, ladder, listing, micro, report
+from harness import accuracy, census_report, compare, ladder, layers_report, listing, micro, report
 from harness.contract import Protocol
 from harness.executor import EXECUTORS
 from harness.plan import LadderConfig
@@ -211,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     mic.add_argument("--tier", choices=[t for t, v in all_tiers().items() if v.has_micro],
                      help="a hand-written rung's per-layer microbenchmark against cuDNN and Inductor (one batch, "
                      "default 32; res 224, bf16, nhwc; --task train: every step of its training schedule, per pass)")
-    mic.add_argument("--census-steps", type=_positive_int, default=micro.CENSUS_STEPS,
+    mic.add_argument("--census-steps", type=_positive_int, default=census_report.CENSUS_STEPS,
                      help="calls profiled per cell in the census pass (default %(default)s)")
     mic.add_argument("--layers", action="store_true",
                      help="with --tiers: each distinct layer alone on each rung that runs a sub-network (its "
@@ -285,7 +285,7 @@ def micro_command(args: argparse.Namespace) -> int:
         return 0
     if args.layers:
         out = args.out or Path("runs") / f"micro-layers-{args.model}-{'cuda' if gpu else 'cpu'}-b{one['batch']}-{one['dtype']}"
-        return micro.layers_run(args.tiers, args.model, one["batch"], one["res"], one["dtype"],
+        return layers_report.run(args.tiers, args.model, one["batch"], one["res"], one["dtype"],
                                 (args.layout or ("nhwc" if gpu else "nchw")) == "nhwc", "cuda" if gpu else "cpu",
                                 out, args.reps, args.json, args.markdown)
     config = ladder_config(args)
@@ -294,7 +294,7 @@ def micro_command(args: argparse.Namespace) -> int:
     config.protocol.census_steps = args.census_steps
     config.out = args.out or Path("runs") / (f"micro-{args.model}-{'cuda' if gpu else 'cpu'}-b{one['batch']}-"
                                               f"{one['dtype']}{'-train' if args.task == 'train' else ''}")
-    return micro.census_run(config, args.json, args.markdown)
+    return census_report.run(config, args.json, args.markdown)
 
 
 def accuracy_config(args: argparse.Namespace) -> accuracy.AccuracyConfig:
