@@ -23,7 +23,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, NamedTuple
 
 from core.layers import BASIS, LAYER, PHASE, SCOPE, Conv, block_of, group_of
 from harness.contract import CENSUS_STEP
@@ -39,16 +39,25 @@ GROUP_ORDER = ("stem", "layer1", "layer2", "layer3", "layer4", "head", "loss", "
 _HIERARCHY = re.compile(r"([^.():]+)\([^)]*\)::")
 
 
+class Unit(NamedTuple):
+    """What the census counts: a kernel (GPU), or an operator's self time (CPU)."""
+
+    name: str
+    start: float  # µs
+    dur: float
+    launched: float  # when its host range launched it (a CPU operator: its start)
+    host: Host | None  # the range that launched it
+
+
 class Host:
     """A host range (operator or annotation) of the trace, with its parent range on the same thread."""
 
-    __slots__ = ("ev", "ts", "end", "parent", "layer", "basis")
+    __slots__ = ("ev", "ts", "end", "parent", "layer")
 
     def __init__(self, ev: dict) -> None:
         self.ev, self.ts, self.end = ev, float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))
         self.parent: Host | None = None
-        self.layer: str | None = None
-        self.basis: str | None = None
+        self.layer: str | None = None  # a convolution operator's: the model's convolution it computes
 
     @property
     def name(self) -> str:
@@ -124,7 +133,7 @@ def match_convolutions(hosts: list[Host], convs: tuple[Conv, ...]) -> None:
         taken[(h.name, shape)] += 1
         backward = h.name.endswith("_backward")
         k = len(paths) - 1 - n % len(paths) if backward else n % len(paths)
-        h.layer, h.basis = paths[k], "convolutions in order"
+        h.layer = paths[k]
 
 
 def resolve(h: Host | None, forward_layers: dict[int, tuple[str, str]]) -> tuple[str | None, str | None, str,
@@ -174,7 +183,7 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
 
     gpu = any(e.get("cat") in KERNEL_CATS for e in events)
     launches = {(e.get("args") or {}).get("correlation"): e for e in events if e.get("cat") in LAUNCH_CATS}
-    units = []  # (name, ts, dur, launched at, launching range)
+    units: list[Unit] = []
     if gpu:
         for e in events:
             if e.get("cat") not in KERNEL_CATS:
@@ -182,14 +191,14 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
             launch = launches.get((e.get("args") or {}).get("correlation"))
             tid = (launch.get("pid"), launch.get("tid")) if launch else None
             host = innermost(threads[tid], starts[tid], float(launch["ts"])) if launch and tid in threads else None
-            units.append((e["name"], float(e["ts"]), float(e.get("dur", 0)), float(launch["ts"]) if launch
-                          else float(e["ts"]), host))
+            units.append(Unit(e["name"], float(e["ts"]), float(e.get("dur", 0)),
+                              float(launch["ts"]) if launch else float(e["ts"]), host))
     else:  # the CPU: each operator's self time
         children: dict[int, float] = defaultdict(float)
         for h in all_hosts:
             if h.parent is not None and h.ev.get("cat") == "cpu_op":
                 children[id(h.parent)] += h.end - h.ts
-        units = [(h.name, h.ts, max(h.end - h.ts - children[id(h)], 0.0), h.ts, h)
+        units = [Unit(h.name, h.ts, max(h.end - h.ts - children[id(h)], 0.0), h.ts, h)
                  for h in all_hosts if h.ev.get("cat") == "cpu_op"]
 
     forward_layers: dict[int, tuple[str, str]] = {}
@@ -201,11 +210,11 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
                 forward_layers[seq] = (layer, basis)
 
     step_of = [s.ts for s in steps]
-    per_step: list[list[tuple]] = [[] for _ in steps]
-    for name, ts, dur, at, host in units:
-        i = bisect.bisect_right(step_of, at) - 1
-        if i >= 0 and at <= steps[i].end:
-            per_step[i].append((name, ts, dur, at, host))
+    per_step: list[list[Unit]] = [[] for _ in steps]
+    for u in units:
+        i = bisect.bisect_right(step_of, u.launched) - 1
+        if i >= 0 and u.launched <= steps[i].end:
+            per_step[i].append(u)
 
     n = len(steps)
     kernel_durs: dict[str, list[float]] = defaultdict(list)
@@ -213,10 +222,10 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
     layers: dict[str, dict] = {}
     basis_us: dict[str, float] = defaultdict(float)
     busy, total = [], []
-    for i, units_i in enumerate(per_step):
+    for units_i in per_step:
         last_conv: str | None = None
-        for name, ts, dur, at, host in sorted(units_i, key=lambda u: u[3]):
-            layer, basis, phase, conv = resolve(host, forward_layers)
+        for u in sorted(units_i, key=lambda u: u.launched):
+            layer, basis, phase, conv = resolve(u.host, forward_layers)
             last_conv = conv or last_conv
             if layer is None and last_conv is not None:
                 layer, basis = block_of(last_conv), "after a convolution"
@@ -226,15 +235,15 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
             key = f"{layer} ({phase})" if train else layer
             row = layers.setdefault(key, {"layer": layer, "phase": phase, "group": group, "us": 0.0, "kernels": 0,
                                           "basis": set()})
-            row["us"] += dur
+            row["us"] += u.dur
             row["kernels"] += 1
             row["basis"].add(basis)
-            basis_us[basis] += dur
-            kernel_durs[name].append(dur)
-            kernel_groups[name].add(group)
+            basis_us[basis] += u.dur
+            kernel_durs[u.name].append(u.dur)
+            kernel_groups[u.name].add(group)
         # busy: time at least one kernel ran (on the CPU: at least one operator, its children included)
-        busy.append(union_us([(u[1], u[1] + u[2]) if gpu else (u[4].ts, u[4].end) for u in units_i]))
-        total.append(sum(u[2] for u in units_i))
+        busy.append(union_us([(u.start, u.start + u.dur) if gpu else (u.host.ts, u.host.end) for u in units_i]))
+        total.append(sum(u.dur for u in units_i))
 
     kernel_us = sum(total) / n
     groups: dict[str, dict] = {}
