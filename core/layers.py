@@ -1,16 +1,16 @@
 """A network's layers as the kernel census names them: each module's path ("layer1.0.conv2"), the group it belongs to
-(stem, layer1..layer4, head for a ResNet), its convolutions in the order the forward runs them, and its FLOPs per
-group. `module_scopes` marks each module's forward as a profiler range, so that the kernels it launches carry its
+(stem, layer1..layer4, head for a ResNet), its convolution and classifier calls in the order the forward runs them
+(one traced pass on the meta device), and its distinct layers. `module_scopes` marks each module's forward as a profiler range, so that the kernels it launches carry its
 path."""
 from __future__ import annotations
 
 import contextlib
 import functools
 from dataclasses import dataclass
+from math import prod
 from typing import Iterator
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from core.model import skeleton
 
@@ -42,56 +42,54 @@ class Conv:
     stride: int
 
 
+@dataclass(frozen=True)
+class Call:
+    """One convolution or classifier call of the forward, as a traced pass saw it (per image)."""
+
+    path: str
+    weight: tuple[int, ...]
+    stride: int
+    pad: int
+    size: tuple[int, int]  # its input's height and width (1 x 1 for the classifier)
+    epilogue: str  # what follows it (epilogue_of); the classifier: 'none'
+    elements: int  # activation elements it reads and writes once: input, output, and the shortcut it adds
+
+
 @functools.lru_cache(maxsize=None)
-def convolutions(model_name: str) -> tuple[Conv, ...]:
-    """The model's convolutions in the order its forward calls them (hooks on the meta device: nothing runs)."""
+def calls(model_name: str, res: int) -> tuple[Call, ...]:
+    """The model's convolution and classifier calls in forward order (hooks on the meta device: nothing runs)."""
     with torch.device("meta"):
         model = skeleton(model_name).eval()
-    order: list[Conv] = []
+    order: list[Call] = []
     for path, m in model.named_modules():
-        if isinstance(m, torch.nn.Conv2d):
-            m.register_forward_pre_hook(lambda mod, _x, p=path: order.append(
-                Conv(p, tuple(mod.weight.shape), mod.stride[0])))
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            def hook(mod, inputs, output, p=path):
+                conv = isinstance(mod, torch.nn.Conv2d)
+                epilogue = epilogue_of(p, model) if conv else "none"
+                size = tuple(inputs[0].shape[2:]) if conv else (1, 1)
+                elements = (inputs[0].numel() + output.numel() * (2 if epilogue == "add+relu" else 1)) // len(output)
+                order.append(Call(p, tuple(mod.weight.shape), mod.stride[0] if conv else 1,
+                                  mod.padding[0] if conv else 0, size, epilogue, elements))
+            m.register_forward_hook(hook)
     with torch.no_grad():
-        model(torch.empty(1, 3, 64, 64, device="meta"))
+        model(torch.empty(1, 3, res, res, device="meta"))
     return tuple(order)
 
 
-@functools.lru_cache(maxsize=None)
-def flops_per_group(model_name: str, res: int) -> dict[str, int]:
-    """FLOPs of one image per layer group (2 per multiply-accumulate, convolutions and matmuls, as core/flops)."""
-    with torch.device("meta"):
-        model = skeleton(model_name).eval()
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.empty(1, 3, res, res, device="meta"))
-    root = type(model).__name__ + "."
-    groups: dict[str, int] = {}
-    for name, by_op in counter.get_flop_counts().items():
-        if name.startswith(root) and "." not in name[len(root):]:  # a direct child: its FLOPs hold its children's
-            group = group_of(name[len(root):])
-            groups[group] = groups.get(group, 0) + sum(by_op.values())
-    return groups
+def convolutions(model_name: str) -> tuple[Conv, ...]:
+    """The model's convolutions in the order its forward calls them."""
+    return tuple(Conv(c.path, c.weight, c.stride) for c in calls(model_name, 64) if len(c.weight) == 4)
 
 
-@functools.lru_cache(maxsize=None)
 def elements_per_group(model_name: str, res: int) -> dict[str, tuple[int, int]]:
     """Per layer group: (activation elements per image, weight elements) its convolutions and classifier read and
     write with each tensor through memory once (input, output, and the shortcut a block's last convolution adds):
     the floor of its memory traffic, as a layer's roofline counts it."""
-    with torch.device("meta"):
-        model = skeleton(model_name).eval()
-    groups: dict[str, list[int]] = {}
-    for path, m in model.named_modules():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            def hook(mod, inputs, output, p=path):
-                extra = output.numel() if epilogue_of(p, model) == "add+relu" else 0
-                g = groups.setdefault(group_of(p), [0, 0])
-                g[0] += (inputs[0].numel() + output.numel() + extra) // inputs[0].shape[0]
-                g[1] += mod.weight.numel()
-            m.register_forward_hook(hook)
-    with torch.no_grad():
-        model(torch.empty(1, 3, res, res, device="meta"))
-    return {g: (a, w) for g, (a, w) in groups.items()}
+    groups: dict[str, tuple[int, int]] = {}
+    for c in calls(model_name, res):
+        act, weights = groups.get(group_of(c.path), (0, 0))
+        groups[group_of(c.path)] = (act + c.elements, weights + prod(c.weight))
+    return groups
 
 
 @contextlib.contextmanager
@@ -161,21 +159,12 @@ def epilogue_of(path: str, model: torch.nn.Module) -> str:
     return "add+relu" if name == last else "relu"
 
 
-@functools.lru_cache(maxsize=None)
 def distinct_layers(model_name: str, res: int) -> tuple[Layer, ...]:
     """The model's distinct convolutions (weights' shape, stride, input size, epilogue) in forward order."""
-    with torch.device("meta"):
-        model = skeleton(model_name).eval()
     seen: dict[tuple, list] = {}
-    for path, m in model.named_modules():
-        if isinstance(m, torch.nn.Conv2d):
-            def hook(mod, inputs, p=path):
-                key = (tuple(mod.weight.shape), mod.stride[0], mod.padding[0], tuple(inputs[0].shape[2:]),
-                       epilogue_of(p, model))
-                seen.setdefault(key, [p, 0])[1] += 1
-            m.register_forward_pre_hook(hook)
-    with torch.no_grad():
-        model(torch.empty(1, 3, res, res, device="meta"))
+    for c in calls(model_name, res):
+        if len(c.weight) == 4:
+            seen.setdefault((c.weight, c.stride, c.pad, c.size, c.epilogue), [c.path, 0])[1] += 1
     return tuple(Layer(path, w, stride, pad, size, epilogue, count)
                  for (w, stride, pad, size, epilogue), (path, count) in seen.items())
 

@@ -170,7 +170,7 @@ def resolve(h: Host | None, forward_layers: dict[int, tuple[str, str]]) -> tuple
 def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str, int] | None, batch: int,
               train: bool, group_bytes: dict[str, int] | None = None) -> dict[str, Any]:
     """The census of a trace (see the module's docstring). `group_flops`: FLOPs of one image's forward per group
-    (core.layers.flops_per_group), for TFLOP/s per group; `group_bytes`: each group's floor of memory traffic for
+    (core.flops.flops_per_group), for TFLOP/s per group; `group_bytes`: each group's floor of memory traffic for
     the batch (inference), for the GB/s it moves at least."""
     threads = nest(events)
     starts = {tid: [h.ts for h in hosts] for tid, hosts in threads.items()}

@@ -10,8 +10,8 @@ from core import model as model_io
 from core import train
 from core.cell import Cell
 from core.env import source_revision, utc_now
-from core.flops import flops_per_image
-from core.layers import convolutions, elements_per_group, flops_per_group
+from core.flops import flops_per_group, flops_per_image
+from core.layers import convolutions, elements_per_group
 from core.parity import NEARER_THAN_ANOTHER_INPUT, against_another_input, compare
 from core.stats import summarize
 from harness import census

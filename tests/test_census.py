@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from core.layers import convolutions, flops_per_group, group_of
+from core.flops import flops_per_group
+from core.layers import convolutions, group_of
 from harness import census
 from tests.conftest import FAST, REPO
 from tests.test_reports import ENV80
