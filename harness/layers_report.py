@@ -16,13 +16,11 @@ from core.files import write_text_atomic
 from core.layers import Layer, distinct_layers
 from core.model import build_model, write_weights
 from core.paths import REPO
+from core.placement import torch_dtype
 from harness.micro import side_by_side_markdown, side_by_side_table
 from harness.refusal import Refusal
 from tiers import get_tier
 from tiers.base import PythonTier
-
-ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
-
 
 def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels_last: bool, device: str,
                out: Path, reps: int, json_path: Path | None, md_path: Path | None) -> int:
@@ -119,7 +117,7 @@ def layer_rows(layers: tuple[Layer, ...], per_rung: dict[str, dict[str, dict]], 
     bandwidth = peaks.get("copy_gbs")
     rows = []
     for layer in layers:
-        flops, nbytes = layer.flops(batch), layer.bytes(batch, ELEMENT_BYTES[dtype])
+        flops, nbytes = layer.flops(batch), layer.bytes(batch, torch_dtype(dtype).itemsize)
         floor = None
         if rate and bandwidth:
             math_ms, memory_ms = flops / (rate * 1e9), nbytes / (bandwidth * 1e6)

@@ -13,6 +13,7 @@ from core.env import source_revision, utc_now
 from core.flops import flops_per_group, flops_per_image
 from core.layers import convolutions, elements_per_group
 from core.parity import NEARER_THAN_ANOTHER_INPUT, against_another_input, compare
+from core.placement import torch_dtype
 from core.stats import summarize
 from harness import census
 from harness.contention import describe
@@ -210,7 +211,7 @@ def census_of(ctx: Context, cell: Cell, raw: dict) -> dict:
         return raw
     trace = cell_dir(ctx.run, cell) / "census.trace.json"
     try:
-        element = 4 if cell.dtype in ("fp32", "tf32") else 2  # fp8 cells keep bf16 activations
+        element = torch_dtype(cell.dtype).itemsize  # the activations' type (fp8 cells keep bf16)
         group_bytes = {g: (act * cell.batch + weights) * element
                        for g, (act, weights) in elements_per_group(cell.model, cell.res).items()}
         summary = census.summarise(census.load(trace), convolutions(cell.model), flops_per_group(cell.model, cell.res),
