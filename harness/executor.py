@@ -117,19 +117,17 @@ def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address:
     if slots < 1:
         raise Refusal("--executor ray: the Ray cluster has no GPU (ray start --num-gpus, or a GPU host)")
     waiting = list(units)
-    running: dict = {}
-    submitted: dict = {}
+    running: dict = {}  # task -> (its cells, when it was submitted)
     try:
         while waiting or running:
             while waiting and len(running) < slots:
                 cells = waiting.pop(0)
-                ref = task.remote(portable(ctx), cells)
-                running[ref], submitted[ref] = cells, time.time()
+                running[task.remote(portable(ctx), cells)] = cells, time.time()
             done, _ = ray.wait(list(running), num_returns=1)
-            cells = running.pop(done[0])
+            cells, submitted = running.pop(done[0])
             try:
                 records, began, ended = ray.get(done[0])
-                overhead = {"dispatch_s": began - submitted[done[0]], "return_s": time.time() - ended,
+                overhead = {"dispatch_s": began - submitted, "return_s": time.time() - ended,
                             "unit_cells": len(cells)}
             except ray.exceptions.RayError as e:  # its worker or node lost twice, or an error of ours in it
                 on_record({**base_record(cells[0]), "status": "crashed",
@@ -140,7 +138,7 @@ def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address:
             for record in records:  # Ray's cost of the unit: task submission to body, body's end to its result here
                 on_record({**record, "ray": overhead})
     except KeyboardInterrupt:
-        for ref, cells in running.items():
+        for ref, (cells, _) in running.items():
             ray.cancel(ref, force=True)  # its worker and the rung's process under it (PDEATHSIG) end now
             on_record({**base_record(cells[0]), "status": "interrupted",
                        "reason": "ladder interrupted; its Ray task was cancelled"})

@@ -106,7 +106,7 @@ class RunDir:
 
     def input(self, batch: int, res: int, seed: int = 0) -> Path:
         """The run's input of this shape (seed 0: what every cell computes on; another seed: another input)."""
-        p = self.path / "inputs" / f"b{batch}_r{res}{f'_s{seed}' if seed else ''}.safetensors"
+        p = self.path / "inputs" / f"b{batch}_r{res}{_seeded(seed)}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
             write_atomic(p, lambda tmp: model_io.write_input(model_io.make_input(batch, res, seed), tmp))
@@ -119,8 +119,7 @@ class RunDir:
         if (batch, res, task, seed) in self._failed_refs:
             raise ReferenceFailed(*self._failed_refs[(batch, res, task, seed)])
         what = "training " if task == "train" else ""
-        p = self.path / "refs" / (f"{self.model}_{task}_b{batch}_r{res}{f'_s{seed}' if seed else ''}_"
-                                  f"{self.device}.safetensors")
+        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}{_seeded(seed)}_{self.device}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
             proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights_for(task)),
@@ -169,6 +168,11 @@ class ReferenceFailed(Exception):
     def __init__(self, status: str, reason: str) -> None:
         super().__init__(reason)
         self.status, self.reason = status, reason
+
+
+def _seeded(seed: int) -> str:
+    """A file name's mark of another input than the run's own (seed 0 keeps the names runs already have)."""
+    return f"_s{seed}" if seed else ""
 
 
 def cell_dir(run: RunDir, cell: Cell) -> Path:
