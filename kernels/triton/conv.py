@@ -143,17 +143,11 @@ class PackedConv:
     kw: int
     stride: int
     pad: int
+    cout: int
     kmajor: bool = False
+    fp8: bool = False
     scale: torch.Tensor | None = None  # FP8: [COUT] fp32, the input's scale (amax / 448) x each channel's weights'
-    input_scale: float = 1.0  # FP8: the input's calibrated scale
-
-    @property
-    def cout(self) -> int:
-        return self.weight.shape[0 if self.kmajor else 1]
-
-    @property
-    def fp8(self) -> bool:
-        return self.weight.dtype == torch.float8_e4m3fn
+    input_inv: float = 1.0  # FP8: 1 / the input's calibrated scale
 
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -181,11 +175,12 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         w_scale = packed.abs().amax(0).clamp_min(1e-30) / E4M3_MAX  # per output channel
         e4m3 = (packed / w_scale).t().to(torch.float8_e4m3fn)
         input_scale = max(input_amax, 1e-30) / E4M3_MAX
-        return PackedConv(e4m3.to(device).contiguous(), bias32, kh, kw, stride, pad, True,
-                          (w_scale * input_scale).to(device, torch.float32).contiguous(), input_scale)
+        return PackedConv(e4m3.to(device).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=True, fp8=True,
+                          scale=(w_scale * input_scale).to(device, torch.float32).contiguous(),
+                          input_inv=1 / input_scale)
     if kmajor:
         packed = packed.t()
-    return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, kmajor)
+    return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=kmajor)
 
 
 def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
@@ -201,7 +196,7 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
 
     args = (x, p.weight, p.bias, y if residual is None else residual, y, m, h, w, cin, oh, ow, cout,
-            p.bias if p.scale is None else p.scale, 1.0 / p.input_scale,
+            p.scale if p.fp8 else p.bias, p.input_inv,  # the bias stands in for the unused scale pointer
             p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor)
     launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kw * cin, x.element_size()))
     return y
