@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from core.cell import DTYPES, Built, Cell, Store, layout_name
-from core.layers import SCOPE
-from core.model import build_model
+from core.layers import SCOPE, calls
 from core.parity import TOLERANCES
 from core.placement import memory_format, set_math_mode, torch_dtype
 from tiers.base import PythonTier
@@ -152,18 +151,12 @@ class TritonTier(PythonTier):
 
 def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
     """Distinct convolutions of ResNet-50 at `res` as ((cin, cout, k, stride, pad, h, w), how many), in net order."""
-    model, seen = build_model("resnet50"), {}
-
-    def hook(conv, inputs, _):
-        h, w = inputs[0].shape[2:]
-        key = (conv.in_channels, conv.out_channels, conv.kernel_size[0], conv.stride[0], conv.padding[0], h, w)
-        seen[key] = seen.get(key, 0) + 1
-
-    for m in model.modules():
-        if isinstance(m, torch.nn.Conv2d):
-            m.register_forward_hook(hook)
-    with torch.no_grad():
-        model(torch.zeros(1, 3, res, res))
+    seen: dict[tuple[int, ...], int] = {}
+    for c in calls("resnet50", res):
+        if len(c.weight) == 4:
+            cout, cin, k, _ = c.weight
+            key = (cin, cout, k, c.stride, c.pad, *c.size)
+            seen[key] = seen.get(key, 0) + 1
     return list(seen.items())
 
 
