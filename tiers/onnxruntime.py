@@ -128,7 +128,6 @@ class OnnxRuntime(PythonTier):
                 session.run_with_iobinding(binding, run_options)
                 return out
 
-            forward.keepalive = binding
             return session, forward
 
         def profiled():
@@ -138,7 +137,7 @@ class OnnxRuntime(PythonTier):
             return forward, lambda: node_events(twin, node_layers(path), cell.device == "cpu")
 
         session, forward = session_of(profiling=False)
-        forward.keepalive = (workdir, session, getattr(forward, "keepalive", None))
+        forward.keepalive = workdir  # the exported model's directory (the closure holds session and binding)
         stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__}
         if cell.device == "cpu":
             return Built(forward=forward, stats=stats, stream_description="host (CPU execution provider)",
