@@ -243,8 +243,8 @@ def timings(ctx: Context, cell: Cell, raw: dict) -> dict[str, Any]:
             "flops_per_step" if cell.task == "train" else "flops_per_forward": flops,
             "achieved": achieved,
             "measured_peak": (peaks.get("measured") or {}).get(cell.dtype),
-            "share_of_measured_peak": achieved / peaks["measured"][cell.dtype] if peaks.get("measured") else None,
+            "share_of_measured_peak": achieved / peaks["measured"][cell.dtype] if (peaks.get("measured") or {}).get(cell.dtype) else None,
             "datasheet_peak": (peaks.get("datasheet") or {}).get(cell.dtype),
-            "share_of_datasheet_peak": (achieved / peaks["datasheet"][cell.dtype]) if peaks.get("datasheet") else None,
+            "share_of_datasheet_peak": achieved / peaks["datasheet"][cell.dtype] if (peaks.get("datasheet") or {}).get(cell.dtype) else None,
         },
     }
