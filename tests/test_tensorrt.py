@@ -93,6 +93,25 @@ def test_fp16_graph_runs_in_onnxruntime_within_the_fp16_tolerance(resnet18, tmp_
     assert not compare(run(make_input(2, 32, seed=1)), reference, "fp16")["ok"]
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_cuda_graph_cell_folds_the_shape_arithmetic_away(resnet18, tmp_path, cuda_graph):
+    """The CUDA EP captures a graph only if it runs every node, and places shape arithmetic (Shape, Range...) on
+    the CPU. A CUDA-graph cell's session fixes the batch, after which ONNX Runtime's optimiser leaves none; a
+    plain cell keeps its free batch (one file, any batch). Res 64: at 32, layer4's output is 1x1 and the
+    exporter emits no shape arithmetic at all."""
+    from tiers.onnxruntime import session_options
+
+    cell = Cell(tier="onnxruntime", model="resnet18", batch=2, res=64, channels_last=True, cuda_graph=cuda_graph,
+                device="cpu")
+    path, _ = export_onnx(resnet18, prepare_input(make_input(2, 64), cell), cell, tmp_path)
+    so = session_options(path, cell)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # the portable part of ALL
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
+    assert ("Shape" in ops) != cuda_graph, ops
+
+
 def test_onnx_digest_follows_the_file(resnet18, tmp_path):
     paths = []
     for channels_last in (False, True):

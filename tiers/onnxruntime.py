@@ -16,7 +16,7 @@ import torch
 from core.cell import Built
 from core.layers import BASIS, LAYER
 from tiers.base import PythonTier
-from tiers.exports.onnx import bound_input, export_onnx, node_layers
+from tiers.exports.onnx import batch_dim, bound_input, export_onnx, node_layers
 
 # Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
 # is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
@@ -102,8 +102,7 @@ class OnnxRuntime(PythonTier):
         def session_of(profiling: bool):
             """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding)."""
             nonlocal out
-            so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so = session_options(path, cell)
             if profiling:
                 so.enable_profiling = True
                 so.profile_file_prefix = str(Path(workdir.name) / "ort-census")
@@ -138,7 +137,8 @@ class OnnxRuntime(PythonTier):
 
         session, forward = session_of(profiling=False)
         forward.keepalive = workdir  # the exported model's directory (the closure holds session and binding)
-        stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__}
+        stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__,
+                 "fixed_batch": cell.batch if cell.cuda_graph else None}
         if cell.device == "cpu":
             return Built(forward=forward, stats=stats, stream_description="host (CPU execution provider)",
                          uses_torch_allocator=False, profiled=profiled)
@@ -148,6 +148,19 @@ class OnnxRuntime(PythonTier):
                      stats={**stats, "provider_options": {p: o for p, o in session.get_provider_options().items()
                                                           if p == self.provider or p == OnnxRuntime.provider}},
                      profiled=profiled)
+
+
+def session_options(path: Path, cell) -> "ort.SessionOptions":
+    """Full graph optimisation; for a CUDA-graph cell, the batch axis fixed to the cell's. The CUDA EP captures a
+    graph only if it runs every node, and with the batch free the shape arithmetic before the classifier's Reshape
+    (Shape, Gather, Range...) is placed on the CPU; with the batch fixed, it folds into constants."""
+    import onnxruntime as ort  # optional: availability() says why it is missing
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if cell.cuda_graph:
+        so.add_free_dimension_override_by_name(batch_dim(path), cell.batch)
+    return so
 
 
 def node_events(session, layers: dict[str, str], cpu: bool) -> list[dict]:

@@ -55,6 +55,13 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workd
         p.stat().st_size for p in path.parent.glob(path.name + "*"))}
 
 
+def batch_dim(path: Path) -> str:
+    """The name of the exported input's batch axis (its symbolic first dimension)."""
+    import onnx  # the exporter's own dependency
+
+    return onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0].dim_param
+
+
 def to_fp16(path: Path) -> Path:
     """The fp32 graph at `path` with every float tensor, weights and inputs and outputs, in fp16."""
     import onnx  # the exporter's own dependency; loaded only for this conversion
