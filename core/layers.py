@@ -67,7 +67,10 @@ def calls(model_name: str, res: int) -> tuple[Call, ...]:
                 conv = isinstance(mod, torch.nn.Conv2d)
                 epilogue = epilogue_of(p, model) if conv else "none"
                 size = tuple(inputs[0].shape[2:]) if conv else (1, 1)
-                elements = (inputs[0].numel() + output.numel() * (2 if epilogue == "add+relu" else 1)) // len(output)
+                read = (inputs[0].numel() * span(size[0], output.shape[-2], mod.kernel_size[0], mod.stride[0])
+                        * span(size[1], output.shape[-1], mod.kernel_size[1], mod.stride[1])
+                        // (size[0] * size[1])) if conv else inputs[0].numel()
+                elements = (read + output.numel() * (2 if epilogue == "add+relu" else 1)) // len(output)
                 order.append(Call(p, tuple(mod.weight.shape), mod.stride[0] if conv else 1,
                                   mod.padding[0] if conv else 0, size, epilogue, elements))
             m.register_forward_hook(hook)
@@ -111,6 +114,12 @@ def module_scopes(model: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
+def span(size: int, out: int, window: int, stride: int) -> int:
+    """Input rows (or columns) a convolution reads: all of them, unless its stride skips some between windows
+    (a 1x1 convolution of stride 2, the downsample, reads every other row and column: a quarter of its input)."""
+    return min(size, out * window) if window < stride else size
+
+
 @dataclass(frozen=True)
 class Layer:
     """A distinct convolution of the model with its epilogue, as the layer microbenchmark runs it alone: `path`
@@ -139,12 +148,12 @@ class Layer:
         return 2 * batch * k * c * r * s * p * q
 
     def bytes(self, batch: int, element: int) -> int:
-        """Its floor of memory traffic: input, weights and output once (and the residual it adds)."""
+        """Its floor of memory traffic: the input it reads, weights and output once (and the residual it adds)."""
         k, c, r, s = self.weight
         p, q = self.output_size()
         out = batch * k * p * q
-        return element * (batch * c * self.size[0] * self.size[1] + k * c * r * s + out * (2 if "add" in
-                                                                                             self.epilogue else 1))
+        read = batch * c * span(self.size[0], p, r, self.stride) * span(self.size[1], q, s, self.stride)
+        return element * (read + k * c * r * s + out * (2 if "add" in self.epilogue else 1))
 
 
 def epilogue_of(path: str, model: torch.nn.Module) -> str:

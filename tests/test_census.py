@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from core.flops import flops_per_group
-from core.layers import convolutions, group_of
+from core.layers import convolutions, distinct_layers, group_of
 from harness import census
 from tests.conftest import FAST, REPO
 from tests.test_reports import ENV80
@@ -193,3 +193,11 @@ def test_each_layer_alone_on_each_rung_with_parity(tmp_path):
     assert any(line.startswith("libtorch: a program of the whole network") for line in doc["missing"])
     md = (tmp_path / "layers.md").read_text()
     assert max(map(len, md.splitlines())) <= 100 and "FAIL" in md
+
+
+def test_a_layers_floor_counts_only_the_input_it_reads():
+    """The roofline's bytes: a 1x1 convolution of stride 2 (the downsample) reads a quarter of its input; a 3x3 of
+    stride 2 reads all of it (its windows overlap). Counting the whole input put measured layers under the floor."""
+    layers = {layer.path: layer for layer in distinct_layers("resnet50", 224)}
+    assert layers["layer2.0.downsample.0"].bytes(1, 2) == 2 * (256 * 28 * 28 + 512 * 256 + 512 * 28 * 28)
+    assert layers["layer2.0.conv2"].bytes(1, 2) == 2 * (128 * 56 * 56 + 128 * 128 * 9 + 128 * 28 * 28)
