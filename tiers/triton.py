@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from core.cell import DTYPES, Built, Cell, Store, layout_name
-from core.layers import SCOPE, calls
+from core.layers import SCOPE, distinct_layers
 from core.parity import TOLERANCES
 from core.placement import memory_format, set_math_mode, torch_dtype
 from tiers.base import PythonTier
@@ -106,10 +106,12 @@ class TritonTier(PythonTier):
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
-        """Every distinct ResNet-50 convolution at this batch/res: our Triton kernel (conv + bias + ReLU, NHWC,
-        autotuned) vs cuDNN through F.conv2d (conv + bias; its ReLU would be another kernel) vs Inductor
-        (torch.compile, default mode, of conv + bias + ReLU), each the median of triton.testing.do_bench; our
-        kernel's output checked against F.conv2d + ReLU in fp32 (TF32 off) with the dtype's tolerance."""
+        """Every distinct ResNet-50 layer at this batch/res (core.layers.distinct_layers) with its own epilogue
+        (ReLU; the residual added first for a block's last convolution; nothing after a downsample): our Triton
+        kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through F.conv2d (convolution + bias only: its
+        epilogue would be other kernels) vs Inductor (torch.compile, default mode, of the whole layer), each the
+        median of triton.testing.do_bench; our kernel's output checked against the layer in fp32 (TF32 off) with
+        the dtype's tolerance."""
         from triton.testing import do_bench  # Triton: only where it runs
 
         from kernels.triton.conv import conv2d, pack_conv  # Triton: only where it runs
@@ -118,46 +120,47 @@ class TritonTier(PythonTier):
         set_math_mode(dtype)
         fmt = memory_format(channels_last)
         rows = []
-        for (cin, cout, k, stride, pad, h, w), count in _conv_shapes(res):
+        for layer in distinct_layers("resnet50", res):
+            cout, cin, k, _ = layer.weight
+            (h, w), (ho, wo) = layer.size, layer.output_size()
+            relu, adds = layer.epilogue != "none", "add" in layer.epilogue
             x = torch.randn(batch, cin, h, w, device="cuda", dtype=tdt).to(memory_format=fmt)
             weight = (torch.randn(cout, cin, k, k, device="cuda") * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
                 memory_format=fmt)
             bias = torch.randn(cout, device="cuda", dtype=tdt)
-            packed = pack_conv(weight, stride, pad, bias=bias, dtype=tdt, device="cuda")
+            res_nchw = (torch.randn(batch, cout, ho, wo, device="cuda", dtype=tdt).to(memory_format=fmt)
+                        if adds else None)
+            packed = pack_conv(weight, layer.stride, layer.pad, bias=bias, dtype=tdt, device="cuda")
             nhwc = x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (inside the rung activations stay NHWC)
-            torch._dynamo.reset()  # a fresh compile per shape (no recompile limit, no dynamic shapes)
-            inductor = torch.compile(lambda t: F.relu(F.conv2d(t, weight, bias, stride, pad)))
-            ho, wo = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
-            flop = 2 * batch * ho * wo * cout * cin * k * k
-            row = {"shape": f"{k}x{k}/s{stride} {cin}->{cout} @{h}x{w}", "count": count, "batch": batch, "dtype": dtype,
+            res_nhwc = res_nchw.permute(0, 2, 3, 1).contiguous() if adds else None
+
+            def whole(t, wt, b, r):  # the layer as the network runs it
+                y = F.conv2d(t, wt, b, layer.stride, layer.pad)
+                y = y + r if r is not None else y
+                return F.relu(y) if relu else y
+
+            torch._dynamo.reset()  # a fresh compile per layer (no recompile limit, no dynamic shapes)
+            inductor = torch.compile(whole)
+            flop = layer.flops(batch)
+            row = {"layer": layer.path, "shape": layer.shape, "count": layer.count, "batch": batch, "dtype": dtype,
                    "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3)}
             set_math_mode("fp32")
-            ref = F.relu(F.conv2d(x.float(), weight.float(), bias.float(), stride, pad))
+            ref = whole(x.float(), weight.float(), bias.float(), res_nchw.float() if adds else None)
             set_math_mode(dtype)
-            out = conv2d(nhwc, packed, precision=precision).permute(0, 3, 1, 2).float()
-            rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            out = conv2d(nhwc, packed, residual=res_nhwc, relu=relu, precision=precision).permute(0, 3, 1, 2)
+            rel = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             row["parity"] = {"ok": rel <= TOLERANCES[dtype]["rel_err"], "rel_err": rel,
-                             "reference": "F.conv2d + ReLU in fp32, TF32 off"}
-            for name, fn in (("triton", lambda: conv2d(nhwc, packed, precision=precision)),
-                             ("cudnn", lambda: F.conv2d(x, weight, bias, stride, pad)),
-                             ("inductor", lambda: inductor(x))):
+                             "reference": "the layer in fp32 (F.conv2d, its epilogue), TF32 off"}
+            for name, fn in (("triton", lambda: conv2d(nhwc, packed, residual=res_nhwc, relu=relu,
+                                                       precision=precision)),
+                             ("cudnn", lambda: F.conv2d(x, weight, bias, layer.stride, layer.pad)),
+                             ("inductor", lambda: inductor(x, weight, bias, res_nchw))):
                 fn()  # autotune / compile outside the timing
                 ms = do_bench(fn, return_mode="median")
                 row[f"{name}_ms"] = round(ms, 4)
                 row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
             rows.append(row)
         return rows
-
-
-def _conv_shapes(res: int) -> list[tuple[tuple[int, ...], int]]:
-    """Distinct convolutions of ResNet-50 at `res` as ((cin, cout, k, stride, pad, h, w), how many), in net order."""
-    seen: dict[tuple[int, ...], int] = {}
-    for c in calls("resnet50", res):
-        if len(c.weight) == 4:
-            cout, cin, k, _ = c.weight
-            key = (cin, cout, k, c.stride, c.pad, *c.size)
-            seen[key] = seen.get(key, 0) + 1
-    return list(seen.items())
 
 
 TIER = TritonTier()
