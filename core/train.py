@@ -8,7 +8,9 @@ mean autocast over fp32 master weights, fp16 with a gradient scaler. A rung diff
 The ladder's steps run at learning rate LEARNING_RATE (a step costs the same at any rate). From the ladder's random
 weights the usual 0.1 x batch / 256 is chaotic: on the H100 at ResNet-50 batch 256, eager fp32 in NHWC and in NCHW
 (the same step, rounded differently) were 40% apart in conv1's weights after 3 steps (docs/notes/training-parity.md).
-train-to-accuracy, which trains for real, uses that usual rate.
+train-to-accuracy, which trains for real, uses that usual rate as the peak of its schedule (harness/accuracy.py),
+handed to the step as a one-element tensor that it updates before each step (a rate held in a tensor changes without
+making torch.compile recompile the step).
 
 Training starts from the run's weights with each residual branch zero-initialised (core.model.zero_init_residual,
 the usual ResNet training init): from the random weights themselves, even eager fp32 in NHWC and in NCHW disagree on
@@ -65,10 +67,11 @@ def place_for_training(model: torch.nn.Module, cell: Any) -> torch.nn.Module:
 
 
 def make_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.nn.Module, cell: Any,
-              num_classes: int, lr: float | None = None) -> Callable[..., torch.Tensor]:
+              num_classes: int, lr: float | torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
     """step(x, y=None) -> loss (detached, not synchronised). `forward` runs the model (eager, scripted or
     compiled); `params_of` owns the parameters it trains; y: the labels (default: fixed ones, sliced from a tensor
-    of batch + 1, so that another batch size takes the same step); lr: default LEARNING_RATE."""
+    of batch + 1, so that another batch size takes the same step); lr: default LEARNING_RATE, or a one-element
+    tensor whose value each step reads (a schedule sets it in place)."""
     optimizer = torch.optim.SGD(params_of.parameters(), lr=LEARNING_RATE if lr is None else lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY)
     amp = AMP.get(cell.dtype)
@@ -92,7 +95,7 @@ def make_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.
 
 
 def built_step(forward: Callable[[torch.Tensor], torch.Tensor], params_of: torch.nn.Module, cell: Any,
-               num_classes: int, lr: float | None = None, stats: dict | None = None) -> Any:
+               num_classes: int, lr: float | torch.Tensor | None = None, stats: dict | None = None) -> Any:
     """What a rung's build_train returns: the step of make_step as `forward`, the state of `params_of`, and the
     memory the rung knows of (besides `stats`)."""
     return Built(forward=make_step(forward, params_of, cell, num_classes, lr), state=lambda: state_of(params_of),

@@ -7,11 +7,23 @@ in their own programs, on the same images in the same batch order, handed over t
 Data: by default scikit-learn's handwritten digits (1,797 8x8 images shipped inside scikit-learn, no download),
 upsampled to --res, with a fixed stratified split (75% train, 25% test); or --data DIR, an ImageFolder tree with
 train/ and test/ (or val/) subfolders. Accuracy is always measured the same way, by the eager model in eval mode
-loaded with the rung's trained weights, so the curves differ only by the training."""
+loaded with the rung's trained weights, so the curves differ only by the training.
+
+The recipe is the usual one for a ResNet: each residual branch zero-initialised, SGD with momentum and weight decay
+(core/train.py's step), the rate warmed up linearly to 0.1 x batch / 256 over the first epochs and then decayed to
+zero along a cosine. From torchvision's initialisation at a constant rate, ResNet-50 on the digits diverged in its
+first epoch (train loss 13) and never settled, so that two correct rungs ended tens of points apart
+(docs/notes/train-to-accuracy.md).
+
+Two correct trainings that round differently drift apart while the network learns fast, and meet again once it
+has converged. So eager is also trained in the other layout (the same step, other kernels, other rounding): its
+distance from eager at each epoch is what rounding alone moves the curve by there, the band a rung's own distance
+from eager is read against."""
 from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +38,7 @@ from core import proc as procs
 from core.cell import Cell, Store
 from core.env import default_device, device_slug, environment
 from core.files import write_text_atomic
-from core.model import write_weights
+from core.model import write_weights, zero_init_residual
 from core.placement import memory_format, set_math_mode
 from core.train import learning_rate
 from harness.context import shipped_tunings
@@ -39,6 +51,9 @@ from tiers import all_tiers
 from tiers.base import ExternalTier, PythonTier
 
 DIGITS_SPLIT_SEED = 0
+WARMUP_EPOCHS = 2
+AGREEMENT_POINTS = 1.5  # issue 28: a rung's curve within this many points of eager's at every epoch
+TWIN = "eager"  # the rung trained a second time in the other layout
 
 
 def digits(res: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -95,6 +110,16 @@ def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Te
     return correct / len(y)
 
 
+def learning_rates(peak: float, epochs: int, steps: int, warmup_epochs: int = WARMUP_EPOCHS) -> torch.Tensor:
+    """[epochs, steps]: each step's rate, rising linearly to `peak` over the first warmup_epochs (at most half the
+    run), then falling to zero along a cosine (Goyal et al.'s warm-up, Loshchilov and Hutter's decay)."""
+    total = epochs * steps
+    warm = min(warmup_epochs * steps, total // 2)
+    rates = [peak * (k + 1) / warm if k < warm else
+             peak * 0.5 * (1 + math.cos(math.pi * (k - warm) / (total - warm))) for k in range(total)]
+    return torch.tensor(rates, dtype=torch.float64).view(epochs, steps)
+
+
 def batch_order(images: int, batch: int, epochs: int, seed: int) -> torch.Tensor:
     """[epochs, steps x batch]: each epoch's shuffled image indices, cut to full batches (one shape per rung); the
     same for every rung."""
@@ -103,23 +128,25 @@ def batch_order(images: int, batch: int, epochs: int, seed: int) -> torch.Tensor
     return torch.stack([torch.randperm(images, generator=order)[:steps * batch] for _ in range(epochs)])
 
 
-def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor, store: Store,
-               on_epoch) -> dict:
-    """A Python rung from `initial`'s weights: its training step over each epoch's batches in `order`, the test
-    accuracy after each epoch."""
+def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
+               rates: torch.Tensor, store: Store, on_epoch) -> dict:
+    """A Python rung from `initial`'s weights: its training step over each epoch's batches in `order` at each
+    step's rate in `rates`, the test accuracy after each epoch."""
     x_train, y_train, x_test, y_test = data
     model = copy.deepcopy(initial).train()
     example = x_train[: cell.batch].to(cell.device)
     example = example.contiguous(memory_format=memory_format(cell.channels_last))
+    lr = torch.tensor(rates[0, 0].item(), device=cell.device)  # the step reads it; set before each step
     t = time.perf_counter()
-    built = tier.build_train(model, example, cell, store, lr=learning_rate(cell.batch))
+    built = tier.build_train(model, example, cell, store, lr=lr)
     build_s = time.perf_counter() - t
     evaluator = copy.deepcopy(initial)
     curve = []
-    for epoch, perm in enumerate(order, start=1):
+    for epoch, (perm, epoch_rates) in enumerate(zip(order, rates), start=1):
         t = time.perf_counter()
         losses = []
-        for idx in perm.view(-1, cell.batch):
+        for idx, rate in zip(perm.view(-1, cell.batch), epoch_rates.tolist()):
+            lr.fill_(rate)
             x = x_train[idx].to(cell.device)
             x = x.contiguous(memory_format=memory_format(cell.channels_last))
             losses.append(built.forward(x, y_train[idx].to(cell.device)))
@@ -127,15 +154,16 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, ord
         seconds = time.perf_counter() - t
         acc = evaluate(evaluator, built.state(), x_test, y_test, cell.device)
         curve.append({"epoch": epoch, "test_accuracy": acc, "train_loss": mean_loss, "epoch_s": seconds})
-        on_epoch(cell, curve[-1])
-    return {"rung": cell.label, "tier": cell.tier, "dtype": cell.dtype, "build_s": build_s, "curve": curve,
+        on_epoch(curve[-1])
+    return {"tier": cell.tier, "dtype": cell.dtype, "build_s": build_s, "curve": curve,
             "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
 
 
 def train_program(tier: ExternalTier, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
-                  store: Store, workdir: Path, on_epoch) -> dict:
-    """A C++ rung: its program takes the same weights, images and batch order through the contract (--train-data),
-    trains with its own step and writes its state after each epoch, which is evaluated as a Python rung's is."""
+                  rates: torch.Tensor, store: Store, workdir: Path, on_epoch) -> dict:
+    """A C++ rung: its program takes the same weights, images, batch order and rates through the contract
+    (--train-data), trains with its own step and writes its state after each epoch, which is evaluated as a Python
+    rung's is."""
     x_train, y_train, x_test, y_test = data
     states = workdir / "states"
     states.mkdir(parents=True, exist_ok=True)
@@ -143,11 +171,11 @@ def train_program(tier: ExternalTier, initial: torch.nn.Module, data: tuple, cel
              "output": workdir / "output.safetensors", "result": workdir / "result.json"}
     write_weights(initial, files["weights"])
     save_file({"input": x_train[:cell.batch].float().contiguous()}, str(files["input"]))
-    save_file({"x": x_train.float().contiguous(), "y": y_train.float(), "order": order.float()},
+    save_file({"x": x_train.float().contiguous(), "y": y_train.float(), "order": order.float(), "lr": rates.float()},
               str(workdir / "train.safetensors"))
     t = time.perf_counter()
     argv = contract_argv(tier.command(cell), cell, files, Protocol(), {
-        "train-data": str(workdir / "train.safetensors"), "states": str(states), "lr": repr(learning_rate(cell.batch)),
+        "train-data": str(workdir / "train.safetensors"), "states": str(states), "lr": repr(rates[0, 0].item()),
         "cache-dir": str(store.cache), "tunings": str(store.tunings or "")})
     proc = procs.run(argv, cwd=workdir, env=procs.child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -162,8 +190,8 @@ def train_program(tier: ExternalTier, initial: torch.nn.Module, data: tuple, cel
         state = load_file(str(states / f"epoch-{e['epoch']}.safetensors"))
         curve.append({"epoch": e["epoch"], "test_accuracy": evaluate(evaluator, state, x_test, y_test, cell.device),
                       "train_loss": e["train_loss"], "epoch_s": e["seconds"]})
-        on_epoch(cell, curve[-1])
-    return {"rung": cell.label, "tier": cell.tier, "dtype": cell.dtype, "build_s": result["cold"]["build_s"],
+        on_epoch(curve[-1])
+    return {"tier": cell.tier, "dtype": cell.dtype, "build_s": result["cold"]["build_s"],
             "program_s": time.perf_counter() - t, "curve": curve,
             "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
 
@@ -174,7 +202,7 @@ class AccuracyConfig:
 
     tiers: list[str]
     model: str = "resnet18"
-    epochs: int = 8
+    epochs: int = 30
     batch: int = 64
     res: int = 32
     dtype: str | None = None
@@ -201,63 +229,114 @@ def run(config: AccuracyConfig) -> None:
         raise Refusal(f"--batch {config.batch} exceeds the {len(y_train)} training images")
     console = Console()
     torch.manual_seed(config.seed)
-    initial = torchvision.models.get_model(config.model, weights=None, num_classes=data["classes"])
+    initial = zero_init_residual(torchvision.models.get_model(config.model, weights=None,
+                                                              num_classes=data["classes"]))
     set_math_mode(dtype)
     order = batch_order(len(y_train), config.batch, config.epochs, config.seed)
+    rates = learning_rates(learning_rate(config.batch), config.epochs, order.shape[1] // config.batch)
     env = environment(device)
     gpu = device_slug(env) if device == "cuda" else None
     data_split = (x_train, y_train, x_test, y_test)
+    channels_last = device == "cuda"
+    runs = [(name, channels_last) for name in config.tiers]
+    if TWIN in config.tiers:
+        runs.append((TWIN, not channels_last))
     results, skipped, failed = [], {}, {}
-    for name in config.tiers:
+    for name, layout in runs:
         tier = all_tiers()[name]
         cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
-                    channels_last=device == "cuda", device=device, task="train")
+                    channels_last=layout, device=device, task="train")
+        label = name if layout == channels_last else f"{name} ({cell.layout})"
         reason = tier.availability(device) or tier.supports(cell)
         if reason:
-            skipped[name] = reason
-            console.print(f"{name}: skipped: {reason}", markup=False, style="yellow")
+            skipped[label] = reason
+            console.print(f"{label}: skipped: {reason}", markup=False, style="yellow")
             continue
         store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
         store.cache.mkdir(parents=True, exist_ok=True)
         torch._dynamo.reset()
         try:
             if isinstance(tier, PythonTier):
-                results.append(train_rung(tier, initial, data_split, cell, order, store, show_epoch(console)))
+                result = train_rung(tier, initial, data_split, cell, order, rates, store, show_epoch(console, label))
             else:
-                results.append(train_program(tier, initial, data_split, cell, order, store, out / "programs" / name,
-                                             show_epoch(console)))
+                result = train_program(tier, initial, data_split, cell, order, rates, store, out / "programs" / name,
+                                       show_epoch(console, label))
+            results.append({**result, "rung": label, "layout": cell.layout})
         except Exception as e:  # a rung that fails costs its own curve, not the others'
-            failed[name] = " ".join(f"{type(e).__name__}: {e}".split())
-            console.print(f"{name}: failed: {failed[name]}", markup=False, style="red")
+            failed[label] = " ".join(f"{type(e).__name__}: {e}".split())
+            console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
     doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,
            "res": config.res, "seed": config.seed, "data": data, "environment": env,
-           "recipe": "the step of core/train.py (SGD, momentum 0.9, weight decay 1e-4, lr 0.1 x batch / 256), "
-                     "full shuffled batches; accuracy by the eager model in eval mode with the rung's weights",
-           "command": command_line(config.argv), "rungs": results, "skipped": skipped, "failed": failed}
+           "recipe": f"torchvision's initialisation with each residual branch's last BatchNorm scale at zero; the "
+                     f"step of core/train.py (SGD, momentum 0.9, weight decay 1e-4) at a rate warmed up linearly "
+                     f"to 0.1 x batch / 256 = {learning_rate(config.batch):g} over {WARMUP_EPOCHS} epochs (at most "
+                     f"half the run), then decayed to zero along a cosine; full shuffled batches; accuracy by the "
+                     f"eager model in eval mode with the rung's weights",
+           "learning_rates": rates.tolist(), "command": command_line(config.argv), "rungs": results,
+           "agreement": agreement(results, TWIN), "skipped": skipped, "failed": failed}
     write(doc, out, console)
 
 
-def show_epoch(console: Console):
+def agreement(results: list[dict], reference: str) -> dict:
+    """Per rung, its distance from `reference`'s curve in points at each epoch, the epochs beyond
+    AGREEMENT_POINTS, and of those the ones beyond the distance of the reference's own twin in the other layout at
+    that epoch (what rounding alone moved the curve by there); {} without the reference's curve."""
+    by_label = {r["rung"]: r for r in results}
+    ref = by_label.get(reference)
+    if ref is None:
+        return {}
+    twin = next((r for r in results if r["tier"] == reference and r is not ref), None)
+
+    def distance(r: dict) -> list[float]:
+        return [round(100 * abs(a["test_accuracy"] - b["test_accuracy"]), 2) for a, b in zip(r["curve"], ref["curve"])]
+
+    band = distance(twin) if twin else None
+    out = {}
+    for r in results:
+        if r is ref:
+            continue
+        points = distance(r)
+        beyond = [e for e, d in enumerate(points, start=1) if d > AGREEMENT_POINTS]
+        out[r["rung"]] = {
+            "points": points, "max_points": max(points, default=0.0), "epochs": len(points),
+            "epochs_beyond": beyond,
+            "epochs_beyond_twin": None if band is None or r is twin else
+            [e for e in beyond if points[e - 1] > band[e - 1]],
+        }
+    return out
+
+
+def show_epoch(console: Console, label: str):
     """The live line of each epoch as it ends."""
-    return lambda c, e: console.print(f"  {c.label:12s} epoch {e['epoch']:2d}: test accuracy "
+    return lambda e: console.print(f"  {label:14s} epoch {e['epoch']:2d}: test accuracy "
                                       f"{100 * e['test_accuracy']:5.1f}%, train loss {e['train_loss']:.3f}, "
                                       f"{e['epoch_s']:.1f} s", markup=False)
 
 
 def write(doc: dict, out: Path, console: Console) -> None:
-    """accuracy.json, accuracy.md (a table of test accuracy per epoch) and the plot; one line per rung."""
+    """accuracy.json, accuracy.md (test accuracy per epoch, a row per epoch and a column per rung, then each rung's
+    agreement with eager) and the plot; one line per rung."""
     results, data = doc["rungs"], doc["data"]
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "accuracy.json", json.dumps(doc, indent=1))
     plot = accuracy_curves(doc, out / "plots" / "accuracy.png") if results else None
-    table = [{"rung": r["rung"], **{f"epoch {c['epoch']}": f"{100 * c['test_accuracy']:.1f}" for c in r["curve"]},
-              "train s": f"{sum(c['epoch_s'] for c in r['curve']):.1f}", "build s": f"{r['build_s']:.1f}"}
-             for r in results]
+    table = [{"epoch": str(e + 1), **{r["rung"]: f"{100 * r['curve'][e]['test_accuracy']:.1f}"
+                                      for r in results if e < len(r["curve"])}}
+             for e in range(max((len(r["curve"]) for r in results), default=0))]
     lines = [f"# Train to accuracy: {doc['model']} on {data['dataset']}", "",
              f"{data['train_images']} training and {data['test_images']} test images, {data['classes']} classes; "
              f"{doc['epochs']} epochs at batch {doc['batch']}, res {doc['res']}, {doc['dtype']}, on {doc['device']}, "
              f"seed {doc['seed']}. Recipe: {doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
              *markdown_table(table), ""]
+    summary = [{"rung": r["rung"], "final %": f"{100 * r['final_test_accuracy']:.1f}",
+                **agreement_columns(doc["agreement"].get(r["rung"])),
+                "train s": f"{sum(c['epoch_s'] for c in r['curve']):.1f}", "build s": f"{r['build_s']:.1f}"}
+               for r in results]
+    if summary:
+        lines += [f"Each rung against {TWIN}: the largest distance in points, the epochs farther than "
+                  f"{AGREEMENT_POINTS} points, and of those the ones farther than {TWIN} in the other layout was at "
+                  f"that epoch (the same step rounded differently; '-': no such twin).", "",
+                  *markdown_table(summary), ""]
     lines += [f"- {name}: skipped: {reason}" for name, reason in doc["skipped"].items()]
     lines += [f"- {name}: failed: {reason}" for name, reason in doc.get("failed", {}).items()]
     if plot:
@@ -267,3 +346,15 @@ def write(doc: dict, out: Path, console: Console) -> None:
         console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after {doc['epochs']} "
                       "epochs", markup=False)
     console.print(f"JSON: {out / 'accuracy.json'}  markdown: {out / 'accuracy.md'}", markup=False)
+
+
+def agreement_columns(a: dict | None) -> dict[str, str]:
+    """The summary table's columns for one rung's agreement with eager (empty for eager itself)."""
+    if a is None:
+        return {"max pts": "", f"> {AGREEMENT_POINTS} pts": "", "> twin": ""}
+
+    def epochs(es: list[int] | None) -> str:
+        return "-" if es is None else f"{len(es)}" + (f" ({', '.join(map(str, es[:6]))}{', ...' if len(es) > 6 else ''})"
+                                                     if es else "")
+    return {"max pts": f"{a['max_points']:.1f}", f"> {AGREEMENT_POINTS} pts": epochs(a["epochs_beyond"]),
+            "> twin": epochs(a["epochs_beyond_twin"])}

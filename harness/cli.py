@@ -185,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
     acc.add_argument("--tiers", type=_list(str, tier_names), default=["eager", "torchscript", "compile"],
                      help="rungs that train (default: eager,torchscript,compile)")
     acc.add_argument("--model", default="resnet18", choices=CLASSIFIERS, metavar="MODEL")
-    acc.add_argument("--epochs", type=_positive_int, default=8)
+    acc.add_argument("--epochs", type=_positive_int, default=30)
     acc.add_argument("--batch", type=_positive_int, default=64)
     acc.add_argument("--res", type=_positive_int, default=32, help="image size the data is resized to")
     acc.add_argument("--dtype", choices=FRAMEWORK_DTYPES, default=None, help="default: bf16 on GPU, fp32 on CPU")

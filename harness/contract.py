@@ -24,7 +24,7 @@ RESULT_KEYS = frozenset({"cold", "build_stats", "stream", "warmup", "latency", "
 CENSUS_STEP = "census:step"
 CENSUS_KEYS = frozenset({"steps", "source", "module_scopes"})
 # A training rung's program trained on data (train-to-accuracy, harness/accuracy.py): --train-data FILE (x, y,
-# order) and --states DIR in place of the timed phases; it announces these phases and writes these result keys
+# order, lr) and --states DIR in place of the timed phases; it announces these phases and writes these result keys
 # (`epochs`: each epoch's number, seconds and mean train loss), and DIR/epoch-E.safetensors after each epoch.
 TRAIN_PHASES = ("load", "build", "train", "done")
 TRAIN_RESULT_KEYS = frozenset({"cold", "build_stats", "epochs"})

@@ -290,6 +290,11 @@ def accuracy_curves(doc: dict, path: Path) -> Path:
         ax.plot([c["epoch"] for c in r["curve"]], [100 * c["test_accuracy"] for c in r["curve"]],
                 ("-", "--", ":", "-.")[i % 4], marker="osD^"[i % 4], markersize=8 - 2 * (i % 3),
                 color=colours[r["rung"]], label=r["rung"])
+    pair = [r for r in doc["rungs"] if r["tier"] == "eager"]
+    if len(pair) == 2:  # eager and its twin in the other layout: how far rounding alone moves the curve
+        epochs = [c["epoch"] for c in pair[0]["curve"]][:len(pair[1]["curve"])]
+        ax.fill_between(epochs, *([100 * c["test_accuracy"] for c in r["curve"][:len(epochs)]] for r in pair),
+                        color="grey", alpha=0.2, label="eager's two layouts")
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy, % (top-1)")
     ax.grid(True, alpha=0.3)

@@ -159,7 +159,8 @@ def test_census_pass_is_the_same_in_both_protocol_implementations(programs, file
 
 def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, files, tmp_path):
     """train-to-accuracy's contract (--train-data, --states): the C++ program trains a 10-class network on the
-    images, labels and batch order given, and its state after each epoch is eager's after the same steps."""
+    images, labels, batch order and per-step rates given, and its state after each epoch is eager's after the same
+    steps (a rate left constant, or read once, fails: the rates differ by up to 5x)."""
     from safetensors.torch import load_file, save_file
 
     from core import train
@@ -170,7 +171,8 @@ def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, fi
     x, y = make_input(8, 32), torch.arange(8) % 10
     order = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(e)) for e in range(2)])
     write_weights(initial, tmp_path / "weights.safetensors")
-    save_file({"x": x, "y": y.float(), "order": order.float()}, str(tmp_path / "train.safetensors"))
+    rates = torch.tensor([[0.05, 0.01], [0.03, 0.02]])
+    save_file({"x": x, "y": y.float(), "order": order.float(), "lr": rates}, str(tmp_path / "train.safetensors"))
     write_input(x[:4], tmp_path / "input.safetensors")
     (tmp_path / "states").mkdir()
     cell = Cell(tier="libtorch", model="resnet18", batch=4, res=32, device="cpu", task="train")
@@ -187,9 +189,16 @@ def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, fi
 
     start = {k: v.clone() for k, v in initial.state_dict().items()}
     net = train.place_for_training(initial, cell)
-    step = train.make_step(net, net, cell, num_classes=10, lr=0.05)
+    lr = torch.tensor(0.05)
+    step = train.make_step(net, net, cell, num_classes=10, lr=lr)
+
+    def at_rate(rate, idx):
+        lr.fill_(rate)
+        return step(x[idx], y[idx])
+
     for epoch, perm in enumerate(order, start=1):  # parity over steps, as a training cell's (core/train.py)
-        loss = torch.stack([step(x[idx], y[idx]) for idx in perm.view(-1, 4)]).mean().reshape(1)
+        losses = [at_rate(rate, idx) for rate, idx in zip(rates[epoch - 1].tolist(), perm.view(-1, 4))]
+        loss = torch.stack(losses).mean().reshape(1)
         state = load_file(str(tmp_path / "states" / f"epoch-{epoch}.safetensors"))
         mine = {**state, "loss": torch.tensor([result["epochs"][epoch - 1]["train_loss"]])}
         verdict = train.compare(mine, {**train.state_of(net), "loss": loss}, start, "fp32")

@@ -109,16 +109,26 @@ def within_points_of_eager(doc: dict, points: float) -> None:
             assert abs(mine["test_accuracy"] - ref["test_accuracy"]) * 100 <= points, (r["rung"], mine, ref)
 
 
+def final_within_points_of_eager(doc: dict, points: float) -> None:
+    """Every rung's converged (last) test accuracy within `points` of eager's."""
+    eager = next(r for r in doc["rungs"] if r["rung"] == "eager")["final_test_accuracy"]
+    for r in doc["rungs"]:
+        assert abs(r["final_test_accuracy"] - eager) * 100 <= points, (r["rung"], r["final_test_accuracy"], eager)
+
+
 def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
-    """Every rung that trains here, the C++ libtorch program included (fed the same images in the same batch order
-    through the contract's --train-data), reaches 90%; libtorch's curve is eager's within 1.5 points."""
+    """Every rung that trains here, the C++ libtorch program included (fed the same images, batch order and rates
+    through the contract's --train-data), and eager's twin in the other layout, reach 90% and end within 1.5 points
+    of eager; libtorch's curve is eager's within 1.5 points at every epoch, and the agreement table says so."""
     doc = train_to_accuracy(tmp_path, "--device", "cpu", "--epochs", "6",
                             "--tiers", "eager,torchscript,compile,libtorch,onnxruntime,cudnn")
     assert doc["data"]["train_images"] + doc["data"]["test_images"] == 1797
-    assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "compile", "libtorch"}
+    assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "compile", "libtorch", "eager (nhwc)"}
     for r in doc["rungs"]:
         assert len(r["curve"]) == 6 and r["final_test_accuracy"] >= 0.9, r
+    final_within_points_of_eager(doc, 1.5)
     within_points_of_eager({**doc, "rungs": [r for r in doc["rungs"] if r["rung"] in ("eager", "libtorch")]}, 1.5)
+    assert doc["agreement"]["libtorch"]["epochs_beyond"] == [] and doc["agreement"]["eager (nhwc)"]["epochs"] == 6
     assert "training API" in doc["skipped"]["onnxruntime"] and doc["skipped"]["cudnn"] == "needs a CUDA GPU"
     assert (tmp_path / "plots" / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     assert "](plots/accuracy.png)" in (tmp_path / "accuracy.md").read_text()
@@ -127,10 +137,24 @@ def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_hand_written_cudnn_rung_learns_as_eager_does(tmp_path):
     """The seed paper's open question on its own terms: ResNet-50 trained by hand with cuDNN, from the same weights
-    over the same batches, stays within 1.5 points of eager's test accuracy at every epoch."""
-    doc = train_to_accuracy(tmp_path, "--model", "resnet50", "--epochs", "4", "--tiers", "eager,libtorch,cudnn")
-    assert {r["rung"] for r in doc["rungs"]} == {"eager", "libtorch", "cudnn"}, doc["failed"]
-    within_points_of_eager(doc, 1.5)
+    over the same batches and rates, converges to eager's test accuracy within 1.5 points (while it learns fast,
+    any two roundings of the step drift apart by more: docs/notes/train-to-accuracy.md)."""
+    doc = train_to_accuracy(tmp_path, "--model", "resnet50", "--tiers", "eager,libtorch,cudnn")
+    assert {r["rung"] for r in doc["rungs"]} == {"eager", "libtorch", "cudnn", "eager (nchw)"}, doc["failed"]
+    assert all(r["final_test_accuracy"] >= 0.9 for r in doc["rungs"]), doc["rungs"]
+    final_within_points_of_eager(doc, 1.5)
+
+
+def test_the_schedule_warms_up_then_decays_to_zero():
+    """Rates rise linearly to the peak at the end of the warm-up epochs, then fall along a cosine, to near zero at
+    the last step; a run too short for the warm-up warms up over half of it."""
+    from harness.accuracy import learning_rates
+
+    rates = learning_rates(0.1, epochs=5, steps=4, warmup_epochs=2).flatten().tolist()
+    assert rates[:8] == pytest.approx([0.1 * (k + 1) / 8 for k in range(8)])
+    assert rates[8] == pytest.approx(0.1) and all(a > b for a, b in zip(rates[8:], rates[9:]))
+    assert 0 < rates[-1] < 0.1 * 0.02  # one step short of the cosine's end
+    assert max(learning_rates(0.1, epochs=2, steps=4, warmup_epochs=3).flatten().tolist()[:4]) == pytest.approx(0.1)
 
 
 def test_accuracy_refuses_a_data_dir_without_splits(tmp_path):

@@ -83,11 +83,12 @@ class PythonTier(Tier):
         `example`: the input on the device in the cell's dtype and layout. `store`: the rung's cache and tunings."""
         raise NotImplementedError
 
-    def build_train(self, model: Any, example: Any, cell: Cell, store: Store, lr: float | None = None) -> Built:
+    def build_train(self, model: Any, example: Any, cell: Cell, store: Store, lr: Any = None) -> Built:
         """`--task train`: `forward(x, y=None)` is one training step (core/train.py) returning the loss, and
         `state()` the model's parameters and buffers. `model`: the eager fp32 model on the CPU in train mode;
         `example`: the fp32 input on the device in the cell's layout (bf16 and fp16 mean autocast); `lr`: the
-        learning rate (default core.train.LEARNING_RATE)."""
+        learning rate (default core.train.LEARNING_RATE), or a one-element tensor that a schedule sets before each
+        step (train-to-accuracy)."""
         raise NotImplementedError(f"{self.name} does not train: {self.cannot_train}")
 
     def after(self, built: Built, example: Any, cell: Cell) -> dict[str, Any]:

@@ -132,11 +132,16 @@ void load_weights(torch::nn::Module& net, const ladder::TensorMap& weights, cons
 }
 
 // The training step of core/train.py (make_step) on `net`, which is on the device in fp32, in train mode, against
-// `labels`: core/train.py labels until a batch of data sets them (set_batch).
-Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch, std::shared_ptr<torch::Tensor> labels) {
+// `labels`: core/train.py labels until a batch of data sets them (set_batch); `learning_rate` gets the setter of its
+// rate (set_learning_rate).
+Net training_step(ResNet net, const Config& cfg, const Args& a, int64_t batch, std::shared_ptr<torch::Tensor> labels,
+                  std::function<void(double)>& learning_rate) {
   const double lr = a.d("lr");  // core/train.py LEARNING_RATE, through the contract
   auto optimizer = std::make_shared<torch::optim::SGD>(
       net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
+  learning_rate = [optimizer](double rate) {
+    for (auto& group : optimizer->param_groups()) static_cast<torch::optim::SGDOptions&>(group.options()).lr(rate);
+  };
   *labels = (torch::arange(batch, torch::TensorOptions(cfg.device).dtype(torch::kLong)) * 7919) %
             net->fc->options.out_features();
   const std::string dtype = a.get("dtype");
@@ -180,6 +185,7 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap& weig
     ResNet net(spec->second, classes);
     long long weights_bytes = 0;
     auto labels = std::make_shared<torch::Tensor>();
+    std::function<void(double)> learning_rate;
     auto rung = std::make_unique<TorchRung>(a, input, stats, Mode::kTrain, [&](const Config& cfg) -> Net {
       net->train();
       {
@@ -192,10 +198,11 @@ std::unique_ptr<ladder::Rung> build(const Args& a, const ladder::TensorMap& weig
         weights_bytes += p.numel() * 4;
       }
       stats["optimizer"] = "torch::optim::SGD (momentum 0.9, weight decay 1e-4)";
-      return training_step(net, cfg, a, a.i("batch"), labels);
+      return training_step(net, cfg, a, a.i("batch"), labels, learning_rate);
     }, [net]() mutable { return state_of(*net); });
     rung->weights_bytes = weights_bytes;
     rung->labels = labels;
+    rung->learning_rate = learning_rate;
     return rung;
   }
   return std::make_unique<TorchRung>(a, input, stats, Mode::kInference, [&](const Config& cfg) -> Net {

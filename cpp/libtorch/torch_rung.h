@@ -77,6 +77,12 @@ class TorchRung : public ladder::Rung {
       labels->copy_(torch::from_blob(const_cast<int*>(labels_in.data()), {int64_t(labels_in.size())}, torch::kInt));
     });
   }
+  void set_learning_rate(double lr) override {
+    if (!learning_rate) throw std::runtime_error("this rung does not train on data");
+    // A captured step replays the rate it was captured with.
+    if (graph_) throw std::runtime_error("a learning-rate schedule cannot change a captured CUDA graph's step");
+    learning_rate(lr);
+  }
   ladder::TensorMap state() override {
     if (!state_) return ladder::Rung::state();
     return guarded([&] { return state_(); });
@@ -158,6 +164,7 @@ class TorchRung : public ladder::Rung {
 
   long long weights_bytes = 0;  // training: fp32 master weights (gradients and momentum are the same size)
   std::shared_ptr<torch::Tensor> labels;  // training: the class labels the step reads, on the device
+  std::function<void(double)> learning_rate;  // training: sets the optimizer's rate for the next steps
 
  private:
   // Runs `f` as every call into torch here must run: on the rung's stream (once it exists), in the rung's autograd

@@ -95,6 +95,11 @@ struct Rung {
     throw std::runtime_error("this rung does not train on data");
   }
   virtual TensorMap state() { throw std::runtime_error("this rung has no training state"); }
+  // Training on data: the rate of the next steps (the schedule of --train-data's `lr`, set before each step).
+  virtual void set_learning_rate(double lr) {
+    (void)lr;
+    throw std::runtime_error("this rung does not train on data");
+  }
   // The census pass (--census-steps N above 0; harness/contract.py CENSUS_KEYS): N forwards, each inside a range
   // named CENSUS_STEP and synchronised, profiled into the Chrome trace at `path`, which harness/census.py reads.
   // Returns the result's "census": steps, source, module_scopes; or, from a rung without a profiler, why (error).
@@ -191,14 +196,18 @@ inline float last_loss(const Args& a, Rung& r) {
 }
 
 // --train-data FILE: x [N, 3, H, W] fp32, y [N] class indices, order [epochs, steps x batch] indices into x (both
-// as fp32, exact below 2^24). Each epoch runs its steps over its batches in order, then writes the state after it to
-// --states DIR/epoch-E.safetensors; the result holds each epoch's wall time and mean loss (harness/accuracy.py).
+// as fp32, exact below 2^24), lr [epochs, steps] each step's learning rate. Each epoch runs its steps over its
+// batches in order, each at its rate, then writes the state after it to --states DIR/epoch-E.safetensors; the result
+// holds each epoch's wall time and mean loss (harness/accuracy.py).
 inline int train_on_data(const Args& a, Rung& rung, Json& result) {
   phase("train");
   const TensorMap data = read_safetensors(a.get("train-data"));
-  const HostTensor &x = data.at("x"), &y = data.at("y"), &order = data.at("order");
+  const HostTensor &x = data.at("x"), &y = data.at("y"), &order = data.at("order"), &lr = data.at("lr");
   const int64_t batch = a.i("batch"), image = x.shape[1] * x.shape[2] * x.shape[3];
   const int64_t epochs = order.shape[0], per_epoch = order.shape[1], steps = per_epoch / batch;
+  if (lr.shape != std::vector<int64_t>{epochs, steps})
+    throw std::runtime_error("--train-data: lr has shape " + shape_str(lr.shape) + ", expected [epochs, steps] = [" +
+                             std::to_string(epochs) + ", " + std::to_string(steps) + "]");
   HostTensor xb{{batch, x.shape[1], x.shape[2], x.shape[3]}, std::vector<float>(batch * image)};
   std::vector<int> labels(batch);
   Json curve = Json::array();
@@ -212,6 +221,7 @@ inline int train_on_data(const Args& a, Rung& rung, Json& result) {
         labels[i] = static_cast<int>(y.data[idx]);
       }
       rung.set_batch(xb, labels);
+      rung.set_learning_rate(lr.data[e * steps + s]);
       rung.forward();
       loss_sum += last_loss(a, rung);
     }

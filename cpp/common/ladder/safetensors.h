@@ -20,6 +20,12 @@ struct HostTensor {
 
 using TensorMap = std::map<std::string, HostTensor>;
 
+inline std::string shape_str(const std::vector<int64_t>& s) {  // "[2, 3]", for messages
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
 inline TensorMap read_safetensors(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw std::runtime_error("cannot open " + path);

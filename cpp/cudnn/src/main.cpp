@@ -117,6 +117,11 @@ class CudnnRung : public ladder::Rung {
   ladder::HostTensor output_fp32() override { return net_->result(1).at("output"); }  // inference's logits
   ladder::TensorMap result_tensors() override { return net_->result(setup_.parity_steps); }
   void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) override { net_->set_batch(x, labels); }
+  void set_learning_rate(double lr) override {
+    // A captured step replays the rate it was captured with (SGD's launch argument).
+    if (exec_) throw std::runtime_error("a learning-rate schedule cannot change a captured CUDA graph's step");
+    net_->set_learning_rate(float(lr));
+  }
   ladder::TensorMap state() override { return net_->state(); }
   // CUPTI's records of each call, issued step by step inside ranges that name each step's layer; under a CUDA
   // graph one launch replays every step, so only the call's range is there and the kernels stay unattributed.

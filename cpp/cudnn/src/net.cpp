@@ -36,12 +36,6 @@ PoolDesc::~PoolDesc() {
   if (desc) cudnnDestroyPoolingDescriptor(desc);
 }
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
 const ladder::HostTensor& weight(const ladder::TensorMap& w, const std::string& name,
                                  const std::vector<int64_t>& shape) {
   auto it = w.find(name);

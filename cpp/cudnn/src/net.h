@@ -14,7 +14,7 @@ namespace rung {
 
 constexpr double kBnEps = 1e-5;  // torchvision's BatchNorm2d default
 
-std::string shape_str(const std::vector<int64_t>& s);
+using ladder::shape_str;
 // The named tensor of the weights file, checked against the shape torchvision's resnet50 gives it.
 const ladder::HostTensor& weight(const ladder::TensorMap& w, const std::string& name,
                                  const std::vector<int64_t>& shape);
@@ -33,9 +33,14 @@ class Network {
   virtual void report_memory(ladder::Json& memory) const = 0;
   virtual ladder::Json micro(int reps) const = 0;
   virtual void reset() {}  // back to the state the build left: undoes what calls changed (a training step's update)
-  // Training on data (ladder::Rung::set_batch, state): the next steps' input and labels; the state after them.
+  // Training on data (ladder::Rung::set_batch, set_learning_rate, state): the next steps' input, labels and rate;
+  // the state after them.
   virtual void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) {
     (void)x, (void)labels;
+    throw std::runtime_error("the cudnn rung's forward does not train");
+  }
+  virtual void set_learning_rate(float lr) {
+    (void)lr;
     throw std::runtime_error("the cudnn rung's forward does not train");
   }
   virtual ladder::TensorMap state() const { throw std::runtime_error("the cudnn rung's forward has no training state"); }

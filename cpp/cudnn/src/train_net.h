@@ -33,6 +33,7 @@ class ResNet50Train : public Network {
   ladder::TensorMap result(int steps) const override;  // the first `steps` losses, then state()
   ladder::TensorMap state() const override;  // parameters and running statistics as core/train.py state_of
   void set_batch(const ladder::HostTensor& x, const std::vector<int>& labels) override;
+  void set_learning_rate(float lr) override { lr_ = lr; }  // read by the next steps' SGD launch
   void report_memory(ladder::Json& memory) const override;
   ladder::Json micro(int reps) const override;  // each step of the schedule timed alone
   void reset() override;  // the run's weights and statistics again, zero momentum, no step counted
