@@ -62,15 +62,19 @@ def missing_lines(records: list[dict]) -> list[str]:
 
 
 def census_rungs(records: list[dict]) -> list[dict]:
-    """Each measured cell's census with its rung's label and its measured latency (the timed phase's median)."""
+    """Each measured cell's census with its rung's label, its measured latency (the timed phase's median) and its
+    pipelined time per call (calls back to back, no wait between them: the GPU's time per call once the host's
+    start of a call overlaps the last call's kernels)."""
     out = []
     for r in records:
         c = r.get("census") or {}
         if not c.get("groups"):
             continue
         measured = (r.get("latency_ms") or {}).get("median")
-        out.append({"label": r["label"], "status": r["status"], "measured_ms": measured,
-                    "kernels_over_measured": c["kernel_ms"] / measured if measured else None, **c})
+        pipelined = (r.get("pipelined") or {}).get("ms_per_iter")
+        out.append({"label": r["label"], "status": r["status"], "measured_ms": measured, "pipelined_ms": pipelined,
+                    "kernels_over_measured": c["kernel_ms"] / measured if measured else None,
+                    "kernels_over_pipelined": c["kernel_ms"] / pipelined if pipelined else None, **c})
     return out
 
 
@@ -113,10 +117,9 @@ def census_display(groups: list[dict], rungs: list[dict]) -> list[dict[str, str]
                                     for r in rungs}, "fastest": ""})
     rows.append({"group": "busy/wall", **{r["label"]: f"{r['busy_ms']:.3g}/{r['wall_ms']:.3g}" for r in rungs},
                  "fastest": ""})
-    rows.append({"group": "kern/measured", **{
-        r["label"]: f"{r['kernel_ms']:.3g}/{r['measured_ms']:.3g} {r['kernel_ms'] / r['measured_ms']:.0%}"
-        if r.get("measured_ms") else "" for r in rungs},
-        "fastest": ""})
+    for row, key in (("kern/measured", "measured_ms"), ("kern/pipelined", "pipelined_ms")):
+        rows.append({"group": row, **{r["label"]: f"{r['kernel_ms']:.3g}/{r[key]:.3g} {r['kernel_ms'] / r[key]:.0%}"
+                                      if r.get(key) else "" for r in rungs}, "fastest": ""})
     return rows
 
 
@@ -138,7 +141,10 @@ def census_markdown(title: str, doc: dict, display: list[dict[str, str]], plot: 
                             "time there and its lead over the next. `busy/wall` (ms): time at least one kernel ran "
                             "against the profiled call's wall time (the rest is the host's). `kern/measured` (ms, and "
                             "their ratio): the kernels' summed time against the cell's measured latency (median of "
-                            "the timed phase, without the profiler): near 100% for a GPU-bound cell.", 100), "",
+                            "the timed phase, without the profiler): near 100% for a GPU-bound cell. "
+                            "`kern/pipelined`: the same against the pipelined time per call (calls back to back), "
+                            "where the host's start of a call no longer leaves the GPU idle: near 100% wherever the "
+                            "census missed no kernel.", 100), "",
              *side_by_side_markdown(display), *(f"- {line}" for line in doc["missing"]), ""]
     if plot:
         lines += [f"![where each rung's time goes]({plot.name})", ""]

@@ -39,7 +39,8 @@ def test_every_rung_has_a_census_by_layer_group(side_by_side):
         assert sum(x["ms"] for x in r["layers"]) == pytest.approx(r["kernel_ms"], rel=1e-6)
         assert sum(k["share"] for k in r["kernels"]) == pytest.approx(1.0, rel=1e-6)
         assert sum(r["attribution"].values()) == pytest.approx(1.0, rel=1e-6)
-        assert r["busy_ms"] <= r["wall_ms"] * 1.001 and r["measured_ms"] > 0
+        assert r["busy_ms"] <= r["wall_ms"] * 1.001 and r["measured_ms"] > 0 and r["pipelined_ms"] > 0
+        assert r["kernels_over_pipelined"] == pytest.approx(r["kernel_ms"] / r["pipelined_ms"])
         assert all(g["floor_gbs"] > 0 and g["tflops"] > 0 for g in r["groups"] if g["group"].startswith("layer"))
     # each rung's layers by its own means: module scopes, TorchScript's hierarchy, the convolutions matched in
     # order (compile and libtorch), ONNX Runtime's node names
@@ -56,6 +57,7 @@ def test_census_files_read_in_100_columns_and_the_plot_is_drawn(side_by_side):
     out, _, doc = side_by_side
     md = (out / "census.md").read_text()
     assert max(map(len, md.splitlines())) <= 100
+    assert "| kern/measured |" in md and "| kern/pipelined |" in md
     assert "![where each rung's time goes](census.png)" in md and (out / "census.png").stat().st_size > 10_000
     assert all(f"## {r['label']}: its kernels, costliest first" in md for r in doc["census"])
     for r in doc["census"]:  # every kernel in the JSON, and the trace kept for a deeper look
