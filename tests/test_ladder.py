@@ -49,9 +49,12 @@ def test_json_schema(python_rungs):
         assert r["memory"]["rss_peak_bytes"] > 0
         assert r["tflops"]["flops_per_forward"] > 0
         assert r["isolation"] == "rung" and r["process_position"] == 0
-        if r["tier"] == "compile":  # the prepare stage filled its caches cold; the measured process started warm
+        if r["tier"] in ("compile", "onnxruntime"):  # the prepare stage filled their caches cold (Inductor's;
+            # the exported graph); the measured process started warm
             assert r["start"] == "warm-start" and r["prepared"]["start"] == "cold" and r["cache_bytes"] > 0
             assert r["prepared"]["time_to_first_result_s"] > r["cold"]["time_to_first_result_s"]
+            if r["tier"] == "onnxruntime":  # exported once, in the prepare stage
+                assert r["build_stats"]["onnx_file"] == "found in the rung's cache", r["build_stats"]
         else:
             assert r["start"] == "cold"
         assert r["latency_stopped"] in ("precision", "time", "iters")

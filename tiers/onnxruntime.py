@@ -16,7 +16,7 @@ import torch
 from core.cell import Built
 from core.layers import BASIS, LAYER
 from tiers.base import PythonTier
-from tiers.exports.onnx import batch_dim, bound_input, export_onnx, node_layers
+from tiers.exports.onnx import batch_dim, bound_input, export_onnx, node_layers, onnx_dir
 
 # Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
 # is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
@@ -48,6 +48,8 @@ class OnnxRuntime(PythonTier):
     # fp16-graph: how the fp16 graph is made (tiers/exports/onnx.py export_onnx): the converter's is 2-2.5x closer
     # to eager fp32 on ResNet-50 (docs/notes/ort-fp16.md).
     options = {"conv-algo-search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"), "fp16-graph": ("converter", "export")}
+    caches = ("onnx",)  # the exported graphs (tiers/exports/onnx.py onnx_dir): one per graph serves the rung's cells
+    warm_in_prepare = True  # the prepare stage exports them beside its other jobs
 
     def availability(self, device):
         try:
@@ -86,8 +88,8 @@ class OnnxRuntime(PythonTier):
     def build(self, model, example, cell, store):
         import onnxruntime as ort  # optional: availability() says why it is missing
 
-        workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
-        path, facts = export_onnx(model, example, cell, workdir.name,
+        workdir, keep = onnx_dir(store)
+        path, facts = export_onnx(model, example, cell, workdir,
                                   cell.option("fp16-graph", self.option_default("fp16-graph")))
         x = bound_input(example, cell)
         if cell.device == "cuda":
@@ -98,6 +100,7 @@ class OnnxRuntime(PythonTier):
             providers = ["CPUExecutionProvider"]
 
         out = None  # the bound output, shaped by the first session's graph (its batch axis: the cell's batch)
+        profiles = tempfile.TemporaryDirectory(prefix="ladder-ort-profile-")  # the census twin's, not the cache's
 
         def session_of(profiling: bool):
             """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding)."""
@@ -105,7 +108,7 @@ class OnnxRuntime(PythonTier):
             so = session_options(path, cell)
             if profiling:
                 so.enable_profiling = True
-                so.profile_file_prefix = str(Path(workdir.name) / "ort-census")
+                so.profile_file_prefix = str(Path(profiles.name) / "ort-census")
             session = ort.InferenceSession(str(path), so, providers=providers)
             if cell.device == "cpu":
                 feed = {"input": x.numpy()}  # shares memory with the example tensor
@@ -136,7 +139,7 @@ class OnnxRuntime(PythonTier):
             return forward, lambda: node_events(twin, node_layers(path), cell.device == "cpu")
 
         session, forward = session_of(profiling=False)
-        forward.keepalive = workdir  # the exported model's directory (the closure holds session and binding)
+        forward.keepalive = (keep, profiles)  # the closure holds session and binding; these, their directories
         stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__,
                  "fixed_batch": cell.batch if cell.cuda_graph else None}
         if cell.device == "cpu":

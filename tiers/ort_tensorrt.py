@@ -27,7 +27,8 @@ class OrtTensorRT(OnnxRuntime):
     name = "ort-tensorrt"
     cannot_train = 'TensorRT is an inference engine (no backward pass)'
     options = {**OnnxRuntime.options, "trt-max-batch": None}  # the CUDA EP's option for nodes TensorRT rejects
-    caches = ("engines", "timing cache")  # TensorRT's, built by ORT in the rung's cache directory
+    caches = ("onnx", "engines", "timing cache")  # the graph, and TensorRT's, built by ORT in the rung's cache
+    warm_in_prepare = False  # building an engine times kernels: never beside other jobs
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"
     cuda_graph = False  # TensorRT's own graph option (trt_cuda_graph_enable) is not wired: no TensorRT here to test it

@@ -28,7 +28,7 @@ import torch
 from core.cell import Built, Cell, Store, Unavailable
 from core.env import gpu_handle
 from tiers.base import PythonTier
-from tiers.exports.onnx import bound_input, export_onnx
+from tiers.exports.onnx import bound_input, export_onnx, onnx_dir
 from tiers.onnxruntime import BF16_EXPORT
 
 NEEDS_GPU = "TensorRT needs an NVIDIA GPU"
@@ -168,7 +168,7 @@ class TensorRT(PythonTier):
     name = "tensorrt"
     cannot_train = 'TensorRT is an inference engine (no backward pass)'
     options = {"trt-max-batch": None}
-    caches = ("engines", "timing cache")
+    caches = ("onnx", "engines", "timing cache")
     summary = "TensorRT engine from the ONNX export (strongly typed), execute_async_v3 on a torch stream"
 
     def availability(self, device):
@@ -194,8 +194,8 @@ class TensorRT(PythonTier):
         trt, reason = load_tensorrt()
         if reason:
             raise Unavailable(reason)
-        workdir = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
-        path, facts = export_onnx(model, example, cell, workdir.name)
+        workdir, keep = onnx_dir(store)
+        path, facts = export_onnx(model, example, cell, workdir)
         shapes = profile_shapes(cell)
         version = f"{trt.__name__} {trt.__version__}"
         gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_capability())
@@ -239,7 +239,7 @@ class TensorRT(PythonTier):
                 raise RuntimeError("TensorRT execute_async_v3 failed (its log on stderr says why)")
             return out
 
-        forward.keepalive = (workdir, logger, runtime, engine, context)
+        forward.keepalive = (keep, logger, runtime, engine, context)
         memory = {"engine_device_memory_bytes": _device_memory_bytes(engine), "engine_bytes": len(plan)}
         return Built(forward=forward, stream=stream, uses_torch_allocator=False,
                      stream_description="torch side stream handed to TensorRT's execute_async_v3",

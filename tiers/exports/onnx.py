@@ -1,18 +1,37 @@
 """The ONNX model shared by the ONNX Runtime and TensorRT rungs: the cell's model in its dtype, exported by
 torch's (dynamo) ONNX exporter with a dynamic batch axis. A channels-last cell gets an NHWC input: the
-transpose to NCHW is part of the graph, so the runtime binds the NHWC buffer as it is and may fuse it away."""
+transpose to NCHW is part of the graph, so the runtime binds the NHWC buffer as it is and may fuse it away.
+
+One graph serves every batch size, and fp32 and tf32 alike (TF32 is the runtime's choice, not the graph's): in a
+ladder it is exported once into the rung's cache directory and found there by the rung's later cells (on the H100,
+each cell exporting its own took 10-14 s, 100 s of the ONNX Runtime rung's 143)."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from core.cell import Cell
+from core.cell import Cell, Store
+from core.files import write_atomic
 from core.placement import place_model
+
+
+def onnx_dir(store: Store) -> tuple[Path, Any]:
+    """Where the exported graphs go, and what keeps that place alive: the rung's cache (`caches` declares it, so
+    that --isolation cell starts each cell empty and a kept graph makes a warm start), or outside a ladder a
+    temporary directory that lives as long as the returned handle."""
+    if store.cache is not None:
+        (store.cache / "onnx").mkdir(parents=True, exist_ok=True)
+        return store.cache / "onnx", None
+    tmp = tempfile.TemporaryDirectory(prefix="ladder-onnx-")
+    return Path(tmp.name), tmp
 
 
 class NHWCInput(torch.nn.Module):
@@ -37,22 +56,29 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workd
     if cell.dtype == "fp16" and fp16_graph == "converter":
         path, facts = export_onnx(model, example.float(), dataclasses.replace(cell, dtype="fp32"), workdir)
         return to_fp16(path), {**facts, "fp16_graph": "onnxconverter-common float16 of the fp32 export"}
-    placed = place_model(model, cell).cpu() if cell.dtype in ("fp32", "tf32") else place_model(model, cell)
-    module = NHWCInput(placed) if cell.channels_last else placed
-    # Two samples, not one: torch.export specialises a size-1 dimension, which for the NHWC input contradicts the
-    # dynamic batch axis ("Invalid ranges [2:1]"); the exported graph still takes any batch from 1 up.
-    x = bound_input(example, cell)[:1].to(next(placed.parameters()).device).repeat(2, 1, 1, 1)
-    digest = hashlib.sha1(repr((cell.model, cell.dtype, cell.channels_last, cell.res)).encode()).hexdigest()[:10]
+    graph_dtype = "fp32" if cell.dtype == "tf32" else cell.dtype
+    digest = hashlib.sha1(repr((cell.model, graph_dtype, cell.channels_last, cell.res)).encode()).hexdigest()[:10]
     path = Path(workdir) / f"{cell.model}-{digest}.onnx"
-    t = time.perf_counter()
+    facts: dict[str, Any] = {"onnx_file": "found in the rung's cache" if path.exists() else "exported"}
     if not path.exists():
-        batch = torch.export.Dim("batch", min=1, max=4096)
-        with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(module, (x,), str(path), input_names=["input"], output_names=["logits"],
-                              dynamic_shapes=({0: batch},), dynamo=True)
-    return path, {"onnx_export_s": time.perf_counter() - t, "onnx_bytes": sum(
-        p.stat().st_size for p in path.parent.glob(path.name + "*"))}
+        placed = place_model(model, cell).cpu() if graph_dtype == "fp32" else place_model(model, cell)
+        module = NHWCInput(placed) if cell.channels_last else placed
+        # Two samples, not one: torch.export specialises a size-1 dimension, which for the NHWC input contradicts
+        # the dynamic batch axis ("Invalid ranges [2:1]"); the exported graph still takes any batch from 1 up.
+        x = bound_input(example, cell)[:1].to(next(placed.parameters()).device).repeat(2, 1, 1, 1)
+        t = time.perf_counter()
+        # Exported beside the cache, then moved in, external data first and the graph last: a process beside this
+        # one (the prepare stage's) finds the whole graph or none.
+        with tempfile.TemporaryDirectory(dir=workdir, prefix=".export-") as tmp:
+            batch = torch.export.Dim("batch", min=1, max=4096)
+            with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(module, (x,), str(Path(tmp) / path.name), input_names=["input"],
+                                  output_names=["logits"], dynamic_shapes=({0: batch},), dynamo=True)
+            for p in sorted(Path(tmp).iterdir(), key=lambda p: p.name == path.name):
+                os.replace(p, path.parent / p.name)
+        facts["onnx_export_s"] = time.perf_counter() - t
+    return path, {**facts, "onnx_bytes": sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))}
 
 
 def batch_dim(path: Path) -> str:
@@ -70,7 +96,7 @@ def to_fp16(path: Path) -> Path:
     out = path.with_name(path.stem + "-fp16.onnx")
     if not out.exists():
         converted = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=False)
-        onnx.save(converted, str(out))
+        write_atomic(out, lambda tmp: onnx.save(converted, str(tmp)))
     return out
 
 
