@@ -273,7 +273,8 @@ def run(config: AccuracyConfig) -> None:
                      f"half the run), then decayed to zero along a cosine; full shuffled batches; accuracy by the "
                      f"eager model in eval mode with the rung's weights",
            "learning_rates": rates.tolist(), "command": command_line(config.argv), "rungs": results,
-           "agreement": agreement(results, TWIN), "skipped": skipped, "failed": failed}
+           "agreement": agreement(results, TWIN), "agreement_points": AGREEMENT_POINTS, "skipped": skipped,
+           "failed": failed}
     write(doc, out, console)
 
 

@@ -277,9 +277,14 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
 
 
 def accuracy_curves(doc: dict, path: Path) -> Path:
-    """train-to-accuracy: test accuracy after each epoch, one line per rung."""
+    """train-to-accuracy: test accuracy after each epoch, one line per rung; below, each rung's distance from
+    eager's curve in points, against the bar (doc's agreement_points) and the distance of eager's own twin in the other
+    layout (what rounding alone moves the curve by), shaded."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    agreement = doc.get("agreement") or {}
+    fig, axes = plt.subplots(2 if agreement else 1, 1, figsize=(7, 7 if agreement else 4.2), sharex=True,
+                             squeeze=False, gridspec_kw={"height_ratios": [3, 2] if agreement else [1]})
+    ax = axes[0][0]
     data = doc["data"]
     device = ((doc.get("environment") or {}).get("gpu") or {}).get("name") or doc["device"]
     ax.set_title(f"{doc['model']} trained on {data['dataset']} ({data['train_images']} train / "
@@ -290,14 +295,27 @@ def accuracy_curves(doc: dict, path: Path) -> Path:
         ax.plot([c["epoch"] for c in r["curve"]], [100 * c["test_accuracy"] for c in r["curve"]],
                 ("-", "--", ":", "-.")[i % 4], marker="osD^"[i % 4], markersize=8 - 2 * (i % 3),
                 color=colours[r["rung"]], label=r["rung"])
-    pair = [r for r in doc["rungs"] if r["tier"] == "eager"]
-    if len(pair) == 2:  # eager and its twin in the other layout: how far rounding alone moves the curve
-        epochs = [c["epoch"] for c in pair[0]["curve"]][:len(pair[1]["curve"])]
-        ax.fill_between(epochs, *([100 * c["test_accuracy"] for c in r["curve"][:len(epochs)]] for r in pair),
-                        color="grey", alpha=0.2, label="eager's two layouts")
-    ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy, % (top-1)")
     ax.grid(True, alpha=0.3)
+    if agreement:
+        dist = axes[1][0]
+        twin = next((a for label, a in agreement.items() if a["epochs_beyond_twin"] is None), None)
+        if twin:
+            epochs = range(1, len(twin["points"]) + 1)
+            dist.fill_between(epochs, 0, twin["points"], color="grey", alpha=0.25,
+                              label="eager's twin in the other layout")
+        for i, r in enumerate(doc["rungs"]):
+            a = agreement.get(r["rung"])
+            if a and a["epochs_beyond_twin"] is not None:
+                dist.plot(range(1, len(a["points"]) + 1), a["points"], ("-", "--", ":", "-.")[i % 4],
+                          marker="osD^"[i % 4], markersize=5, color=colours[r["rung"]], label=r["rung"])
+        bar = doc["agreement_points"]
+        dist.axhline(bar, color="black", linewidth=0.8, linestyle="--", label=f"{bar} points")
+        dist.set_ylabel("points from eager")
+        dist.set_yscale("symlog", linthresh=2)  # the 1.5-point line and a 20-point early gap both readable
+        dist.set_ylim(bottom=0)
+        dist.grid(True, alpha=0.3)
+    axes[-1][0].set_xlabel("epoch")
     return _save(fig, path)
 
 
