@@ -157,6 +157,21 @@ def test_the_schedule_warms_up_then_decays_to_zero():
     assert max(learning_rates(0.1, epochs=2, steps=4, warmup_epochs=3).flatten().tolist()[:4]) == pytest.approx(0.1)
 
 
+def test_agreement_reads_each_rung_against_eager_and_its_twin():
+    """Epochs beyond 1.5 points of eager, and of those the ones beyond the twin's own distance at that epoch."""
+    from harness.accuracy import agreement
+
+    def run(rung, tier, accs):
+        return {"rung": rung, "tier": tier, "curve": [{"test_accuracy": a / 100} for a in accs]}
+
+    doc = agreement([run("eager", "eager", [50, 90, 98]), run("cudnn", "cudnn", [40, 80, 97]),
+                     run("eager (nchw)", "eager", [30, 89, 98])], "eager")
+    assert doc["cudnn"]["points"] == [10.0, 10.0, 1.0] and doc["cudnn"]["max_points"] == 10.0
+    assert doc["cudnn"]["epochs_beyond"] == [1, 2] and doc["cudnn"]["epochs_beyond_twin"] == [2]
+    assert doc["eager (nchw)"]["epochs_beyond"] == [1] and doc["eager (nchw)"]["epochs_beyond_twin"] is None
+    assert agreement([run("cudnn", "cudnn", [40])], "eager") == {}
+
+
 def test_accuracy_refuses_a_data_dir_without_splits(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "harness", "train-to-accuracy", "--device", "cpu", "--data",
                            str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
