@@ -12,7 +12,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from core.cell import FRAMEWORK_DTYPES
 from core.env import default_device, environment
 from core.files import write_text_atomic
 from harness.refusal import Refusal
@@ -23,9 +22,8 @@ from tiers import get_tier
 def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, task: str, json_path: Path | None,
         md_path: Path | None) -> None:
     tier = get_tier(tier_name)
-    if dtype not in FRAMEWORK_DTYPES:
-        raise Refusal(f"{tier_name}'s per-layer microbenchmark times {', '.join(FRAMEWORK_DTYPES)} kernels; {dtype} "
-                      "is measured in the ladder (--dtype fp8)")
+    if dtype not in tier.dtypes:
+        raise Refusal(f"{tier_name}'s per-layer microbenchmark times {', '.join(tier.dtypes)} kernels, not {dtype}")
     if task == "train" and tier.cannot_train:
         raise Refusal(f"{tier_name} does not train: {tier.cannot_train}")
     if default_device() != "cuda":

@@ -45,6 +45,12 @@ def test_rung_options_are_checked_against_what_the_rung_declares(capsys):
         capsys, "ladder", "--option", "triton:autotune=maybe")[2]
 
 
+def test_micro_refuses_a_dtype_its_rung_has_no_kernels_for(capsys):
+    status, _, err = harness(capsys, "micro", "--tier", "cudnn", "--dtype", "fp8")
+    assert status == 2 and err.strip() == (
+        "micro: cudnn's per-layer microbenchmark times fp32, tf32, fp16, bf16 kernels, not fp8")
+
+
 def test_bad_model_and_batch(capsys):
     assert "invalid choice" in harness(capsys, "ladder", "--model", "resnet9")[2].splitlines()[-1]
     assert "0 must be a positive integer" in harness(capsys, "ladder", "--batch", "1,0")[2].splitlines()[-1]

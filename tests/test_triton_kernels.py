@@ -89,6 +89,23 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
     assert not wrong["ok"], wrong
 
 
+def test_micro_checks_each_fp8_layer_as_the_fp8_cell_runs_it_and_a_wrong_scale_fails():
+    """`micro --tier triton --dtype fp8`'s layers: e4m3 kernels (the stem in the activations' type, as in the fp8
+    cell) each within a few percent of the layer in fp32, far inside fp8's network tolerance; a weight scale 3x off
+    fails. Activations in fp32: the interpreter has no bf16 arithmetic."""
+    from core.layers import distinct_layers
+    from tiers.triton import LayerCase
+
+    torch.manual_seed(0)
+    layers = {layer.path: layer for layer in distinct_layers("resnet50", 32)}
+    for path in ("conv1", "layer1.0.conv2", "layer1.0.conv3", "layer2.0.downsample.0"):
+        case = LayerCase(layers[path], 2, "fp8", True, "cpu", activations=torch.float32)
+        assert case.kernel == ("float32" if path == "conv1" else "e4m3") and case.packed.fp8 == (path != "conv1")
+        assert case.parity["ok"] and case.parity["rel_err"] < 0.15, (path, case.parity)  # seen: 0.06-0.08
+    case.packed.scale.mul_(3)
+    assert not case.check()["ok"]
+
+
 def test_linear():
     torch.manual_seed(0)
     x, fc = torch.randn(3, 37), torch.nn.Linear(37, 29)

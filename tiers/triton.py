@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -111,56 +112,90 @@ class TritonTier(PythonTier):
         kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through F.conv2d (convolution + bias only: its
         epilogue would be other kernels) vs Inductor (torch.compile, default mode, of the whole layer), each the
         median of triton.testing.do_bench; our kernel's output checked against the layer in fp32 (TF32 off) with
-        the dtype's tolerance."""
+        the dtype's tolerance (LayerCase). In fp8 our kernel is the e4m3 one the fp8 cell runs (the stem stays
+        bf16, as there); cuDNN and Inductor, which have no fp8 convolution here, run bf16, and so does
+        `triton_bf16`, our bf16 kernel of the same layer: what e4m3 gains or loses on each layer."""
         from triton.testing import do_bench  # Triton: only where it runs
 
-        from kernels.triton.conv import conv2d, pack_conv  # Triton: only where it runs
+        from kernels.triton.conv import conv2d  # Triton: only where it runs
 
-        tdt, precision = torch_dtype(dtype), _precision(dtype)
-        set_math_mode(dtype)
-        fmt = memory_format(channels_last)
         rows = []
         for layer in distinct_layers("resnet50", res):
-            cout, cin, k, _ = layer.weight
-            (h, w), (ho, wo) = layer.size, layer.output_size()
-            relu, adds = layer.epilogue != "none", "add" in layer.epilogue
-            x = torch.randn(batch, cin, h, w, device="cuda", dtype=tdt).to(memory_format=fmt)
-            weight = (torch.randn(cout, cin, k, k, device="cuda") * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
-                memory_format=fmt)
-            bias = torch.randn(cout, device="cuda", dtype=tdt)
-            res_nchw = (torch.randn(batch, cout, ho, wo, device="cuda", dtype=tdt).to(memory_format=fmt)
-                        if adds else None)
-            packed = pack_conv(weight, layer.stride, layer.pad, bias=bias, dtype=tdt, device="cuda")
-            nhwc = x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (inside the rung activations stay NHWC)
-            res_nhwc = res_nchw.permute(0, 2, 3, 1).contiguous() if adds else None
-
-            def whole(t, wt, b, r):  # the layer as the network runs it
-                y = F.conv2d(t, wt, b, layer.stride, layer.pad)
-                y = y + r if r is not None else y
-                return F.relu(y) if relu else y
-
+            case = LayerCase(layer, batch, dtype, channels_last, "cuda")
             torch._dynamo.reset()  # a fresh compile per layer (no recompile limit, no dynamic shapes)
-            inductor = torch.compile(whole)
+            inductor = torch.compile(case.whole)
             flop = layer.flops(batch)
             row = {"layer": layer.path, "shape": layer.shape, "count": layer.count, "batch": batch, "dtype": dtype,
-                   "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3)}
-            set_math_mode("fp32")
-            ref = whole(x.float(), weight.float(), bias.float(), res_nchw.float() if adds else None)
-            set_math_mode(dtype)
-            out = conv2d(nhwc, packed, residual=res_nhwc, relu=relu, precision=precision).permute(0, 3, 1, 2)
-            rel = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-            row["parity"] = {"ok": rel <= TOLERANCES[dtype]["rel_err"], "rel_err": rel,
-                             "reference": "the layer in fp32 (F.conv2d, its epilogue), TF32 off"}
-            for name, fn in (("triton", lambda: conv2d(nhwc, packed, residual=res_nhwc, relu=relu,
-                                                       precision=precision)),
-                             ("cudnn", lambda: F.conv2d(x, weight, bias, layer.stride, layer.pad)),
-                             ("inductor", lambda: inductor(x, weight, bias, res_nchw))):
+                   "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3), "kernel": case.kernel,
+                   "parity": case.parity}
+            timed = [("triton", lambda: case.ours()),
+                     ("cudnn", lambda: F.conv2d(case.x, case.weight, case.bias, layer.stride, layer.pad)),
+                     ("inductor", lambda: inductor(case.x, case.weight, case.bias, case.residual))]
+            if dtype == "fp8":
+                timed.append(("triton_bf16", lambda: conv2d(case.nhwc, case.packed_bf16, residual=case.residual_nhwc,
+                                                            relu=case.relu)))
+            for name, fn in timed:
                 fn()  # autotune / compile outside the timing
                 ms = do_bench(fn, return_mode="median")
                 row[f"{name}_ms"] = round(ms, 4)
                 row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
             rows.append(row)
         return rows
+
+
+class LayerCase:
+    """One distinct layer of the network as the micro times it: random inputs (NCHW view in the cell's layout,
+    and the NHWC copy our kernel reads), the layer as the network runs it (`whole`), our packed kernel (`ours`),
+    and its parity against `whole` in fp32 (`check`). `activations`: their torch type, by default the dtype's (the
+    interpreter, which has no bf16 arithmetic, takes fp32)."""
+
+    def __init__(self, layer, batch: int, dtype: str, channels_last: bool, device: str,
+                 activations: torch.dtype | None = None) -> None:
+        from kernels.triton.conv import conv2d, pack_conv  # Triton: only where it runs
+
+        tdt, precision = activations or torch_dtype(dtype), _precision(dtype)
+        fmt = memory_format(channels_last)
+        cout, cin, k, _ = layer.weight
+        (h, w), (ho, wo) = layer.size, layer.output_size()
+        self.layer, self.relu = layer, layer.epilogue != "none"
+        adds = "add" in layer.epilogue
+        self.x = torch.randn(batch, cin, h, w, device=device, dtype=tdt).to(memory_format=fmt)
+        self.weight = (torch.randn(cout, cin, k, k, device=device) * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
+            memory_format=fmt)
+        self.bias = torch.randn(cout, device=device, dtype=tdt)
+        self.residual = (torch.randn(batch, cout, ho, wo, device=device, dtype=tdt).to(memory_format=fmt)
+                         if adds else None)
+        self.nhwc = self.x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (in the rung it stays NHWC)
+        self.residual_nhwc = self.residual.permute(0, 2, 3, 1).contiguous() if adds else None
+        pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device)
+        # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there).
+        fp8 = dtype == "fp8" and layer.path != "conv1"
+        self.packed = pack(input_amax=self.x.abs().max().item()) if fp8 else pack(kmajor=tdt == torch.float32
+                                                                                   and precision == "tf32")
+        self.packed_bf16 = pack() if dtype == "fp8" else None
+        self.kernel = "e4m3" if fp8 else str(tdt).removeprefix("torch.")
+        self.dtype = dtype
+        self.ours = partial(conv2d, self.nhwc, self.packed, residual=self.residual_nhwc, relu=self.relu,
+                            precision=precision)
+        self.parity = self.check()
+
+    def check(self) -> dict:
+        """Our kernel's output against the layer in fp32 (TF32 off), with the dtype's tolerance; leaves the
+        dtype's math mode set."""
+        set_math_mode("fp32")
+        ref = self.whole(self.x.float(), self.weight.float(), self.bias.float(),
+                         self.residual.float() if self.residual is not None else None)
+        set_math_mode(self.dtype)
+        out = self.ours().permute(0, 3, 1, 2)
+        rel = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        return {"ok": rel <= TOLERANCES[self.dtype]["rel_err"], "rel_err": rel,
+                "reference": "the layer in fp32 (F.conv2d, its epilogue), TF32 off"}
+
+    def whole(self, t, wt, b, r):
+        """The layer as the network runs it: convolution, the residual, ReLU."""
+        y = F.conv2d(t, wt, b, self.layer.stride, self.layer.pad)
+        y = y + r if r is not None else y
+        return F.relu(y) if self.relu else y
 
 
 TIER = TritonTier()
