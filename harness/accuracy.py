@@ -136,7 +136,9 @@ def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, ord
     model = copy.deepcopy(initial).train()
     example = x_train[: cell.batch].to(cell.device)
     example = example.contiguous(memory_format=memory_format(cell.channels_last))
-    lr = torch.tensor(rates[0, 0].item(), device=cell.device)  # the step reads it; set before each step
+    # The rate the step reads, set before each step: a CPU scalar tensor, as PyTorch's compiled-optimizer recipe
+    # has it (the GPU step takes its value without a sync; torch.compile does not recompile when it changes).
+    lr = torch.tensor(rates[0, 0].item())
     t = time.perf_counter()
     built = tier.build_train(model, example, cell, store, lr=lr)
     build_s = time.perf_counter() - t
