@@ -128,7 +128,7 @@ class TritonTier(PythonTier):
             row = {"layer": layer.path, "shape": layer.shape, "count": layer.count, "batch": batch, "dtype": dtype,
                    "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3), "kernel": case.kernel,
                    "parity": case.parity}
-            timed = [("triton", lambda: case.ours()),
+            timed = [("triton", case.ours),
                      ("cudnn", lambda: F.conv2d(case.x, case.weight, case.bias, layer.stride, layer.pad)),
                      ("inductor", lambda: inductor(case.x, case.weight, case.bias, case.residual))]
             if dtype == "fp8":
