@@ -284,8 +284,7 @@ def agreement(results: list[dict], reference: str) -> dict:
     """Per rung, its distance from `reference`'s curve in points at each epoch, the epochs beyond
     AGREEMENT_POINTS, and of those the ones beyond the distance of the reference's own twin in the other layout at
     that epoch (what rounding alone moved the curve by there); {} without the reference's curve."""
-    by_label = {r["rung"]: r for r in results}
-    ref = by_label.get(reference)
+    ref = next((r for r in results if r["rung"] == reference), None)
     if ref is None:
         return {}
     twin = next((r for r in results if r["tier"] == reference and r is not ref), None)
@@ -301,7 +300,7 @@ def agreement(results: list[dict], reference: str) -> dict:
         points = distance(r)
         beyond = [e for e, d in enumerate(points, start=1) if d > AGREEMENT_POINTS]
         out[r["rung"]] = {
-            "points": points, "max_points": max(points, default=0.0), "epochs": len(points),
+            "twin": r is twin, "points": points, "max_points": max(points, default=0.0), "epochs": len(points),
             "epochs_beyond": beyond,
             "epochs_beyond_twin": None if band is None or r is twin else
             [e for e in beyond if points[e - 1] > band[e - 1]],

@@ -299,14 +299,14 @@ def accuracy_curves(doc: dict, path: Path) -> Path:
     ax.grid(True, alpha=0.3)
     if agreement:
         dist = axes[1][0]
-        twin = next((a for label, a in agreement.items() if a["epochs_beyond_twin"] is None), None)
+        twin = next((a for a in agreement.values() if a["twin"]), None)
         if twin:
             epochs = range(1, len(twin["points"]) + 1)
             dist.fill_between(epochs, 0, twin["points"], color="grey", alpha=0.25,
                               label="eager's twin in the other layout")
         for i, r in enumerate(doc["rungs"]):
             a = agreement.get(r["rung"])
-            if a and a["epochs_beyond_twin"] is not None:
+            if a and not a["twin"]:
                 dist.plot(range(1, len(a["points"]) + 1), a["points"], ("-", "--", ":", "-.")[i % 4],
                           marker="osD^"[i % 4], markersize=5, color=colours[r["rung"]], label=r["rung"])
         bar = doc["agreement_points"]
