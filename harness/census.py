@@ -36,6 +36,10 @@ BACKWARD = "autograd::engine::evaluate_function"
 LOSS_OPS = ("aten::cross_entropy_loss", "aten::nll_loss", "aten::nll_loss_nd", "aten::nll_loss_forward",
             "aten::nll_loss_backward", "aten::log_softmax", "aten::_log_softmax", "aten::_log_softmax_backward_data")
 GROUP_ORDER = ("stem", "layer1", "layer2", "layer3", "layer4", "head", "loss", "optimizer", "unattributed")
+# A census with more of its kernel time than this in no known layer is shown, but neither ranked nor compared by
+# group: its groups hold only what could be placed (ONNX Runtime's renamed NHWC convolutions, say), so their
+# times would read as wins they are not.
+UNATTRIBUTED_LIMIT = 0.05
 _HIERARCHY = re.compile(r"([^.():]+)\([^)]*\)::")
 
 
@@ -290,3 +294,13 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
             covered += b - max(a, end)
             end = b
     return covered
+
+
+def unattributed_share(census: dict) -> float:
+    return census["attribution"].get("unattributed", 0.0)
+
+
+def comparable(census: dict) -> bool:
+    """Whether a census's layer groups hold (nearly) all of its kernel time, so that a group compares with another
+    rung's."""
+    return unattributed_share(census) <= UNATTRIBUTED_LIMIT

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from core.files import write_text_atomic
 from harness import ladder, plots
+from harness.census import comparable, unattributed_share
 from harness.micro import side_by_side_markdown, side_by_side_table
 from harness.plan import LadderConfig
 from harness.refusal import Refusal
@@ -33,22 +34,33 @@ def run(config: LadderConfig, json_path: Path | None, md_path: Path | None) -> i
     cell = doc["results"][0]
     out = {"environment": doc["environment"], "command": doc.get("command"), "model": cell["model"],
            "batch": cell["batch"], "res": cell["res"], "dtype": cell["dtype"], "task": cell["task"],
-           "device": cell["device"], "census": rungs, "groups": side_by_side(rungs),
-           "missing": missing_lines(doc["results"])}
+           "device": cell["device"], "census": rungs, "missing": missing_lines(doc["results"])}
+    show_and_write(out, json_path or config.out / "census.json", md_path or config.out / "census.md")
+    return status
+
+
+def rerender(path: Path) -> None:
+    """`python -m harness report census.json`: the side-by-side, its markdown and plot made again from a census
+    file's rungs, by this checkout's code, beside it."""
+    out = json.loads(path.read_text())
+    show_and_write(out, path, path.with_suffix(".md"))
+
+
+def show_and_write(out: dict, json_path: Path, md_path: Path) -> None:
+    """Ranks the layer groups of out's rungs, prints the side-by-side, writes the JSON, markdown and plot."""
+    rungs = out["census"]
+    out["groups"], out["partial"] = side_by_side(rungs), partial_lines(rungs)
     title = (f"{out['model']} {'training step' if out['task'] == 'train' else 'forward'}, batch {out['batch']}, "
              f"res {out['res']}, {out['dtype']}: time per layer group, per rung")
     display = census_display(out["groups"], rungs)
     console = Console()
     console.print(side_by_side_table(title, f"each rung: {CELL_FORMAT}; every kernel: --json", display))
-    for line in out["missing"]:
+    for line in out["missing"] + out["partial"]:
         console.print(line, markup=False, style="yellow", overflow="ellipsis", no_wrap=True)
-    json_path = json_path or config.out / "census.json"
-    md_path = md_path or config.out / "census.md"
     plot = plots.census_groups(out, md_path.parent / "census.png")
     write_text_atomic(json_path, json.dumps(out, indent=1))
     write_text_atomic(md_path, census_markdown(title, out, display, plot))
     console.print(f"JSON: {json_path}  markdown: {md_path}" + (f"  plot: {plot}" if plot else ""), markup=False)
-    return status
 
 
 def missing_lines(records: list[dict]) -> list[str]:
@@ -80,8 +92,9 @@ def census_rungs(records: list[dict]) -> list[dict]:
 
 def side_by_side(rungs: list[dict]) -> list[dict]:
     """A row per layer group: each rung's ms, kernels and TFLOP/s per step there, and the fastest rung with its
-    lead over the next."""
+    lead over the next, among the rungs whose groups hold nearly all of their time (comparable)."""
     names = list(dict.fromkeys(g["group"] for r in rungs for g in r["groups"]))
+    ranked_labels = {r["label"] for r in rungs if comparable(r)}
     rows = []
     for name in names:
         row: dict[str, Any] = {"group": name, "rungs": {}}
@@ -89,12 +102,19 @@ def side_by_side(rungs: list[dict]) -> list[dict]:
             g = next((g for g in r["groups"] if g["group"] == name), None)
             if g:
                 row["rungs"][r["label"]] = {k: g[k] for k in ("ms", "kernels", "tflops")}
-        ranked = sorted(row["rungs"].items(), key=lambda kv: kv[1]["ms"])
+        ranked = sorted(((lab, v) for lab, v in row["rungs"].items() if lab in ranked_labels),
+                        key=lambda kv: kv[1]["ms"])
         if len(ranked) > 1 and ranked[0][1]["ms"] > 0 and name != "unattributed":  # time of no known layer
             row["fastest"], row["lead"] = ranked[0][0], ranked[1][1]["ms"] / ranked[0][1]["ms"]
             row["next"] = ranked[1][0]
         rows.append(row)
     return rows
+
+
+def partial_lines(rungs: list[dict]) -> list[str]:
+    """One line per rung left out of the ranking, saying how much of its time no layer holds."""
+    return [f"{r['label']}: {unattributed_share(r):.0%} of its kernel time is in no known layer, so its groups are "
+            "shown (marked *) but not ranked" for r in rungs if not comparable(r)]
 
 
 CELL_FORMAT = "ms/kernels/TFLOP/s per call"
@@ -108,9 +128,11 @@ def census_display(groups: list[dict], rungs: list[dict]) -> list[dict[str, str]
     """The side-by-side as text rows: the groups, then each rung's kernels in all, its GPU busy time against the
     profiled step's wall time, and its kernels' time against the measured latency."""
     labels = [r["label"] for r in rungs]
+    partial = {r["label"] for r in rungs if not comparable(r)}
     rows = []
     for g in groups:
-        row = {"group": g["group"], **{lab: _cell(**g["rungs"][lab]) if lab in g["rungs"] else "" for lab in labels}}
+        row = {"group": g["group"], **{lab: _cell(**g["rungs"][lab]) + ("*" if lab in partial else "")
+                                       if lab in g["rungs"] else "" for lab in labels}}
         row["fastest"] = f"{g['fastest']} {g['lead']:.2f}x" if g.get("fastest") else ""  # over the next
         rows.append(row)
     rows.append({"group": "all", **{r["label"]: _cell(r["kernel_ms"], r["kernels_per_step"], total_tflops(r))
@@ -145,7 +167,9 @@ def census_markdown(title: str, doc: dict, display: list[dict[str, str]], plot: 
                             "`kern/pipelined`: the same against the pipelined time per call (calls back to back), "
                             "where the host's start of a call no longer leaves the GPU idle: near 100% wherever the "
                             "census missed no kernel.", 100), "",
-             *side_by_side_markdown(display), *(f"- {line}" for line in doc["missing"]), ""]
+             *side_by_side_markdown(display),
+             *(textwrap.fill(line, 100, initial_indent="- ", subsequent_indent="  ")
+               for line in doc["missing"] + doc.get("partial", [])), ""]
     if plot:
         lines += [f"![where each rung's time goes]({plot.name})", ""]
     for r in doc["census"]:

@@ -218,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
                      "convolution, BatchNorm and epilogue), parity against eager fp32, against its roofline")
     mic.add_argument("--reps", type=_positive_int, default=50, help="--layers: timed calls per layer (default 50)")
 
-    rep = sub.add_parser("report", help="re-render (and merge) results.jsonl or JSON files")
+    rep = sub.add_parser("report", help="re-render (and merge) results.jsonl or JSON files; a census.json (from "
+                         "micro --tiers) alone: its side-by-side, markdown and plot again, beside it")
     rep.add_argument("inputs", type=Path, nargs="+")
     rep.add_argument("--json", type=Path)
     rep.add_argument("--markdown", type=Path)
@@ -297,6 +298,14 @@ def micro_command(args: argparse.Namespace) -> int:
     return census_report.run(config, args.json, args.markdown)
 
 
+def report_command(args: argparse.Namespace) -> int:
+    if len(args.inputs) == 1 and args.inputs[0].name == "census.json":
+        census_report.rerender(args.inputs[0])
+    else:
+        report.rerender(args.inputs, args.json, args.markdown, args.csv, args.wide)
+    return 0
+
+
 def accuracy_config(args: argparse.Namespace) -> accuracy.AccuracyConfig:
     return accuracy.AccuracyConfig(**{k: v for k, v in vars(args).items() if k != "command"})
 
@@ -306,7 +315,7 @@ COMMANDS = {
     "sweep": lambda a: ladder.run(ladder_config(a)),
     "tiers": lambda a: listing.show(),
     "micro": lambda a: micro_command(a),
-    "report": lambda a: report.rerender(a.inputs, a.json, a.markdown, a.csv, a.wide) or 0,
+    "report": lambda a: report_command(a),
     "compare": lambda a: compare.run(a.runs, a.threshold, a.markdown),
     "train-to-accuracy": lambda a: accuracy.run(accuracy_config(a)) or 0,
 }

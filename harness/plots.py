@@ -7,6 +7,7 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+from harness.census import comparable
 from harness.record import ranked
 
 MIB = 2**20
@@ -378,6 +379,10 @@ def census_groups(doc: dict, path: Path) -> Path | None:
         ax.grid(True, axis="y", alpha=0.3)
     width = 0.8 / max(len(groups), 1)
     for x, (before, after) in enumerate(zip(rungs, rungs[1:])):
+        if not (comparable(before) and comparable(after)):  # a group holding part of a rung's time gains nothing
+            gain_ax.text(x, 0, "not compared:\npart of a rung's\ntime in no layer", ha="center", va="bottom",
+                         fontsize=7)
+            continue
         was = {g["group"]: g["ms"] for g in before["groups"]}
         now = {g["group"]: g["ms"] for g in after["groups"]}
         for k, group in enumerate(groups):

@@ -102,13 +102,17 @@ class OnnxRuntime(PythonTier):
         out = None  # the bound output, shaped by the first session's graph (its batch axis: the cell's batch)
         profiles = tempfile.TemporaryDirectory(prefix="ladder-ort-profile-")  # the census twin's, not the cache's
 
-        def session_of(profiling: bool):
+        optimized = Path(profiles.name) / "optimized.onnx"  # the census twin's graph as ORT rewrote it
+
+        def session_of(profiling: bool, keep_graph: bool = False):
             """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding)."""
             nonlocal out
             so = session_options(path, cell)
             if profiling:
                 so.enable_profiling = True
                 so.profile_file_prefix = str(Path(profiles.name) / "ort-census")
+            if keep_graph:
+                so.optimized_model_filepath = str(optimized)
             session = ort.InferenceSession(str(path), so, providers=providers)
             if cell.device == "cpu":
                 feed = {"input": x.numpy()}  # shares memory with the example tensor
@@ -134,9 +138,12 @@ class OnnxRuntime(PythonTier):
 
         def profiled():
             """The census's twin: a session of its own with ORT's profiler on (on from its creation, so never the
-            measured one), and its nodes' ranges named by the exporter's module scopes."""
-            twin, forward = session_of(profiling=True)
-            return forward, lambda: node_events(twin, node_layers(path), cell.device == "cpu")
+            measured one), and its nodes' ranges named by the exporter's module scopes, through the graph ORT ran
+            (its layout pass gives the nodes it rewrites new names; their outputs keep the exporter's)."""
+            twin, forward = session_of(profiling=True, keep_graph=True)
+            layers = node_layers(path)
+            return forward, lambda: node_events(twin, {**renamed_layers(optimized, layers), **layers},
+                                                cell.device == "cpu")
 
         session, forward = session_of(profiling=False)
         forward.keepalive = (keep, profiles)  # the closure holds session and binding; these, their directories
@@ -183,6 +190,19 @@ def node_events(session, layers: dict[str, str], cpu: bool) -> list[dict]:
                        "args": {"node": node, "provider": e["args"].get("provider"),
                                 **({LAYER: layer, BASIS: "ONNX node names"} if layer else {})}})
     return events
+
+
+def renamed_layers(optimized: Path, layers: dict[str, str]) -> dict[str, str]:
+    """Each node of ORT's optimised graph whose name the export does not know -> the module path of its first
+    output the export names (a node ORT rewrote or fused keeps its outputs' names, not its own)."""
+    import onnx  # the exporter's own dependency
+
+    out = {}
+    for node in onnx.load(str(optimized), load_external_data=False).graph.node:
+        layer = next((layers[o] for o in node.output if o in layers), None)
+        if node.name not in layers and layer:
+            out[node.name] = layer
+    return out
 
 
 def layer_of(node: str, layers: dict[str, str]) -> str | None:
