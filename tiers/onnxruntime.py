@@ -47,7 +47,11 @@ class OnnxRuntime(PythonTier):
     # cuDNN's heuristic, or always implicit-precomp GEMM; the choice moves both speed and fp32 rounding.
     # fp16-graph: how the fp16 graph is made (tiers/exports/onnx.py export_onnx): the converter's is 2-2.5x closer
     # to eager fp32 on ResNet-50 (docs/notes/ort-fp16.md).
-    options = {"conv-algo-search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"), "fp16-graph": ("converter", "export")}
+    # fuse-conv-bias: the CUDA EP's fuse_conv_bias (off by default): each convolution's bias (BatchNorm folded by
+    # the exporter) in the convolution's own cuDNN graph; off, the fp16 census on the H100 shows a separate
+    # bias-add pass after every convolution (10.8 of 26.2 ms).
+    options = {"conv-algo-search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"), "fp16-graph": ("converter", "export"),
+               "fuse-conv-bias": ("0", "1")}
     caches = ("onnx",)  # the exported graphs (tiers/exports/onnx.py onnx_dir): one per graph serves the rung's cells
     warm_in_prepare = True  # the prepare stage exports them beside its other jobs
 
@@ -79,6 +83,7 @@ class OnnxRuntime(PythonTier):
         return {"use_tf32": "1" if cell.dtype == "tf32" else "0",
                 "cudnn_conv_algo_search": cell.option("conv-algo-search", self.option_default("conv-algo-search")),
                 "prefer_nhwc": "1" if cell.channels_last else "0",
+                "fuse_conv_bias": cell.option("fuse-conv-bias", self.option_default("fuse-conv-bias")),
                 "enable_cuda_graph": "1" if cell.cuda_graph else "0"}
 
     def providers(self, cell, stream, store) -> list:
