@@ -1,5 +1,7 @@
 """What else ran on the machine while a cell was timed: CPU time of processes outside the ladder's process tree
-(/proc) and processes outside it on the GPU (NVML), from the start to the end of the cell's timed phases."""
+(/proc) and processes outside it on the GPU (NVML), from the start to the end of the cell's timed phases. The tree
+is the driver's, or under Ray the raylet's of the host, which started every worker measuring the ladder's units
+there: the ladder's cells on a host's other GPUs are its own, as they are in a local run over several GPUs."""
 from __future__ import annotations
 
 import collections
@@ -38,6 +40,19 @@ def process_tree(root: int) -> dict[int, int]:
     return {p: stats[p][1] for p in tree if p in stats}
 
 
+def ancestor_named(name: str) -> int | None:
+    """The nearest ancestor of this process whose command is `name` (/proc/PID/comm), if any."""
+    pid = os.getpid()
+    while pid > 1 and (stat := _stat(pid)) is not None:
+        pid = stat[0]
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                return pid
+        except OSError:
+            return None
+    return None
+
+
 def _busy_ticks() -> int:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
@@ -57,13 +72,14 @@ class Contention:
     """Snapshots at the start and end of a cell's timed phases: CPU time of processes outside the ladder's own
     tree, and processes outside it on the GPU (NVML)."""
 
-    def __init__(self, gpu: str | None = None) -> None:
+    def __init__(self, gpu: str | None = None, root: int | None = None) -> None:
         self.gpu = gpu  # the GPU the cell runs on (CUDA_VISIBLE_DEVICES's name; None: this process's first)
+        self.root = root or os.getpid()  # the process whose tree is the ladder's own on this host
         self.start: tuple | None = None
         self.result: dict[str, Any] | None = None
 
     def snapshot(self) -> tuple:
-        ours = process_tree(os.getpid())
+        ours = process_tree(self.root)
         return time.perf_counter(), _busy_ticks(), sum(ours.values()), set(ours), gpu_process_pids(self.gpu)
 
     def begin(self) -> None:

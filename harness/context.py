@@ -30,6 +30,7 @@ class Context:
     tunings: str | None = None         # GPU slug whose shipped tunings apply, None under --retune
     isolation_check: str = "warn"      # 'warn': flag a contended cell; 'error': also refuse it
     gpu: str | None = None             # the GPU its children run on, as CUDA_VISIBLE_DEVICES names it (None: all)
+    processes_root: int | None = None  # the process whose tree is the ladder's own here (None: this; Ray: raylet)
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # Ctrl-C, for children on threads
     on_phase: Callable[[Cell, str], None] = lambda cell, phase: None
     prepared: dict[str, dict] = dataclasses.field(default_factory=dict)  # cell key -> prepare facts

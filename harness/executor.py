@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from core.cell import Cell
-from core.env import visible_gpus
+from core.env import visible_gpus, where
 from core.paths import REPO
+from harness.contention import ancestor_named
 from harness.context import Context
 from harness.measure import measure_cells
 from harness.record import base_record
@@ -30,7 +31,7 @@ from harness.rundir import RunDir
 EXECUTORS = ("local", "ray")
 # The environment a Ray worker needs from the driver's: this checkout importable, the extra rungs and caches the
 # driver was told of, Triton's interpreter on a CPU run.
-FORWARDED_ENV = ("LADDER_EXTRA_TIERS", "LADDER_CACHE", "TRITON_INTERPRET", "OMP_NUM_THREADS")
+FORWARDED_ENV = ("LADDER_EXTRA_TIERS", "LADDER_CACHE", "TRITON_INTERPRET")
 
 OnRecord = Callable[[dict], None]
 
@@ -83,16 +84,28 @@ def run_local(ctx: Context, units: list[list[Cell]], on_record: OnRecord, slots:
 def portable(ctx: Context) -> dict:
     """The context as a Ray task takes it: plain data (the run directory by its path; no callbacks, no locks)."""
     fields = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)
-              if f.name not in ("run", "on_phase", "stop", "gpu")}
+              if f.name not in ("run", "on_phase", "stop", "gpu", "processes_root")}
     return {**fields, "run": (str(ctx.run.path), ctx.run.model, ctx.run.device)}
 
 
-def measure_unit(context: dict, cells: list[Cell]) -> tuple[list[dict], float, float]:
+def measure_unit(context: dict, cells: list[Cell], omp_threads: str | None) -> tuple[list[dict], float, float]:
     """A Ray task's body, in its worker: the unit's records, in order (the GPU is the one Ray assigned, which
-    CUDA_VISIBLE_DEVICES names in this process), and when the body began and ended (epoch seconds)."""
+    CUDA_VISIBLE_DEVICES names in this process), and when the body began and ended (epoch seconds).
+    `omp_threads`: the driver's OMP_NUM_THREADS. Ray sets a worker's to its num_cpus (1) where the driver has none;
+    the rung's process must inherit the driver's, as under --executor local, or its CPU cells and its host-side
+    work run on one thread."""
     began = time.time()
+    if omp_threads is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp_threads
     path, model, device = context.pop("run")
     ctx = Context(run=RunDir(path, model, device), **context)
+    ctx.processes_root = ancestor_named("raylet")  # every worker of this host: the ladder's units on its other GPUs
+    if device == "cuda":  # the driver measured none of the workers' GPUs: this one's own rate, once per run
+        uuid = where(None)["gpu"]["uuid"]
+        peaks = ctx.peak_tflops or {}
+        ctx.peak_tflops = {**peaks, "per_gpu": {**peaks.get("per_gpu", {}), uuid: ctx.run.matmul_peak(uuid=uuid)}}
     records: list[dict] = []
     measure_cells(ctx, cells, records.append)
     return records, began, time.time()
@@ -122,7 +135,7 @@ def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address:
         while waiting or running:
             while waiting and len(running) < slots:
                 cells = waiting.pop(0)
-                running[task.remote(portable(ctx), cells)] = cells, time.time()
+                running[task.remote(portable(ctx), cells, os.environ.get("OMP_NUM_THREADS"))] = cells, time.time()
             done, _ = ray.wait(list(running), num_returns=1)
             cells, submitted = running.pop(done[0])
             try:

@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from core import proc as procs
 from core.cell import Cell
 from core.env import default_device, device_slug, environment, visible_gpus, where
 from core.files import write_text_atomic
-from core.paths import REPO
 from harness import report
 from harness.context import Context
 from harness.host_noise import host_cpu_probe
@@ -126,24 +123,12 @@ def run_metadata(run_dir: RunDir, config: LadderConfig, device: str, console: Co
         return old
     if device == "cuda":
         with console.status("measuring the GPU's matmul peak (cuBLAS)"):
-            meta["peak_tflops"]["measured"] = matmul_peak(run_dir)
+            meta["peak_tflops"]["measured"] = run_dir.matmul_peak()
             gpus = visible_gpus() if config.executor == "local" else []
             if len(gpus) > 1:  # cells spread over them: a speed-up across two GPUs must know if they differ
-                meta["peak_tflops"]["per_gpu"] = {where(g)["gpu"]["uuid"]: matmul_peak(run_dir, g) for g in gpus}
+                meta["peak_tflops"]["per_gpu"] = {where(g)["gpu"]["uuid"]: run_dir.matmul_peak(g) for g in gpus}
     write_text_atomic(meta_path, json.dumps(meta, indent=1))
     return meta
-
-
-def matmul_peak(run_dir: RunDir, gpu: str | None = None) -> dict[str, float]:
-    """cuBLAS's dense matmul rate per dtype on `gpu` (CUDA_VISIBLE_DEVICES's name; None: the first), in a process
-    of its own (the parent keeps no CUDA context)."""
-    peak_file = run_dir.path / "peak.json"
-    proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
-                     env=procs.child_env(**({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})), capture_output=True,
-                     text=True)
-    if proc.returncode != 0:
-        raise Refusal(f"measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}", status=1)
-    return json.loads(peak_file.read_text())["tflops"]
 
 
 def measure(ctx: Context, todo: list[Cell], records: dict[str, dict], config: LadderConfig,

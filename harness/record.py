@@ -44,8 +44,9 @@ DEFINITIONS = {
               "withheld), 'unavailable' (rung cannot run here), 'skipped' (rung does not implement this "
               "configuration); 'reason' says why. A rerun keeps ok, parity-fail and skipped and tries the rest again",
     "where": "what measured the cell: host (its name), gpu (NVML name and UUID of the GPU its child ran on, and "
-             "where a local run spread over several GPUs its measured matmul_tflops per dtype), cpu_affinity (the "
-             "child's CPUs, a cpulist: its GPU's NUMA node where the host says, else every CPU)",
+             "where the run spread over several GPUs, locally or on Ray, its measured matmul_tflops per dtype), "
+             "cpu_affinity (the child's CPUs, a cpulist: its GPU's NUMA node where the host says, else every CPU), "
+             "omp_num_threads (the OMP_NUM_THREADS the child inherited: null, unset, lets torch use every core)",
     "ray": "--executor ray: the cost of the Ray task that measured the cell's unit (one rung's cells), the same in "
            "each of its records: dispatch_s (from its submission, with a GPU free, to its body starting in a fresh "
            "worker), return_s (from the body's end to its records back at the driver), unit_cells; across hosts both "

@@ -17,6 +17,7 @@ from core.cell import Cell
 from core.files import write_atomic
 from core.paths import REPO
 from harness.failures import failure_status
+from harness.refusal import Refusal
 from tiers import identity
 
 # Statuses a rerun keeps; the others (crashed, timeout, oom, error, unavailable, interrupted, contended) run again.
@@ -133,6 +134,20 @@ class RunDir:
                     f"eager {what}reference (batch {batch}, res {res}) failed: {reason}")
                 raise ReferenceFailed(*self._failed_refs[(batch, res, task, seed)])
         return p
+
+    def matmul_peak(self, gpu: str | None = None, uuid: str | None = None) -> dict[str, float]:
+        """cuBLAS's dense matmul rate per dtype on `gpu` (as CUDA_VISIBLE_DEVICES names it; None: this process's
+        first), in a process of its own (the caller keeps no CUDA context). With the GPU's `uuid`, measured once
+        per run and kept here under it, where every host of a Ray cluster finds it."""
+        peak_file = self.path / (f"peak-{uuid}.json" if uuid else "peak.json")
+        if uuid and peak_file.exists():
+            return json.loads(peak_file.read_text())["tflops"]
+        proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
+                         env=procs.child_env(**({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})), capture_output=True,
+                         text=True)
+        if proc.returncode != 0:
+            raise Refusal(f"measuring the matmul peak failed: {' '.join(proc.stderr.split())[-500:]}", status=1)
+        return json.loads(peak_file.read_text())["tflops"]
 
     def cache(self, tier: str) -> Path:
         """The rung's caches kept between its processes (Inductor, Triton, tuning choices)."""

@@ -69,7 +69,7 @@ class ChildRun:
         self.phases: dict[int, list[tuple[str, float]]] = collections.defaultdict(list)
         self.errors: dict[int, str] = {}
         self.contention: dict[int, dict | None] = {}
-        self.check = Contention(ctx.gpu)
+        self.check = Contention(ctx.gpu, ctx.processes_root)
         self.where = where(ctx.gpu)  # this host, the cell's GPU and the CPUs nearest it
         per_gpu = (ctx.peak_tflops or {}).get("per_gpu") or {}
         if "gpu" in self.where and self.where["gpu"]["uuid"] in per_gpu:  # several GPUs: this one's own rate
@@ -150,6 +150,7 @@ class ChildRun:
             proc = procs.popen(argv, cwd=REPO, env=procs.child_env(PYTHONUNBUFFERED="1", **pinned),
                                stdout=subprocess.PIPE, stderr=err, text=True)
             self.where["cpu_affinity"] = self.pin(proc.pid)
+            self.where["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")  # what the child inherits
             self.sampler = sampler = Sampler(proc.pid, self.ctx.gpu)
             sampler.start()
             reader = threading.Thread(target=lambda: [self.line(line.rstrip("\n")) for line in proc.stdout],

@@ -65,6 +65,9 @@ def test_ray_gives_the_records_local_does(cluster, tmp_path):
     for key in a:
         for field in ("status", "start", "process_position"):
             assert a[key][field] == b[key][field], (key, field)
+        # the rung's process inherits the driver's OMP_NUM_THREADS, not the 1 Ray gives its workers
+        assert a[key]["where"]["omp_num_threads"] == b[key]["where"]["omp_num_threads"] == os.environ.get(
+            "OMP_NUM_THREADS")
         assert b[key]["parity"]["ok"] and b[key]["where"]["host"] == os.uname().nodename
         assert b[key]["ray"]["dispatch_s"] >= 0 and b[key]["ray"]["return_s"] >= 0 and "ray" not in a[key]
     again = ladder(ray, *CELLS, *cluster)
@@ -130,3 +133,24 @@ def test_two_local_slots_measure_two_rungs_side_by_side(tmp_path):
     got: list[dict] = []
     executor.run_local(ctx, list(groups.values()), got.append, [None, None])
     assert sorted((r["tier"], r["batch"], r["status"]) for r in got) == [("eager", 1, "ok"), ("onnxruntime", 1, "ok")]
+
+
+def test_a_ray_worker_takes_the_raylets_tree_as_the_ladders_own(cluster):
+    """The contention check's 'ours' under Ray: the raylet that started every worker of this host, so that the
+    ladder's cells on a host's other GPUs are not another user's load (they were, and a Ray run on two H100s flagged
+    77 of 84 cells contended). Found from inside a real worker of the running instance."""
+    import ray
+
+    from harness.contention import ancestor_named, process_tree
+
+    def probe() -> tuple:
+        root = ancestor_named("raylet")
+        return root, Path(f"/proc/{root}/comm").read_text().strip(), os.getpid() in process_tree(root)
+
+    ray.init(address="auto", runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+    try:
+        root, comm, inside = ray.get(ray.remote(num_cpus=1, max_calls=1)(probe).remote(), timeout=120)
+    finally:
+        ray.shutdown()
+    assert comm == "raylet" and inside
+    assert ancestor_named("raylet") is None  # outside Ray: the process's own tree, as before
