@@ -58,7 +58,9 @@ class TritonTier(PythonTier):
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
     cuda_graph = True
-    options = {"autotune": ("on", "off")}
+    # launch: each kernel through Triton's own launch path (jit), or a forward recorded once and replayed through
+    # the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the GPU only).
+    options = {"autotune": ("on", "off"), "launch": ("jit", "plan")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
@@ -73,6 +75,11 @@ class TritonTier(PythonTier):
             return f"triton is not importable: {e}"
         return None
 
+    def supports(self, cell: Cell) -> str | None:
+        if cell.option("launch", "jit") == "plan" and cell.device != "cuda":
+            return "launch=plan replays compiled kernels, which the interpreter (the CPU) does not make"
+        return super().supports(cell)
+
     def build(self, model, example, cell: Cell, store: Store) -> Built:
         from kernels.triton import tuning  # Triton itself: imported only where it runs (availability says why not)
         from kernels.triton.resnet import TritonResNet  # as above
@@ -81,7 +88,8 @@ class TritonTier(PythonTier):
         tuned_file = store.cache / "tuned.json" if store.cache else None
         tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
         fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
-        net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8)
+        net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
+                           planned=cell.option("launch", "jit") == "plan")
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -102,6 +110,7 @@ class TritonTier(PythonTier):
             "autotune_benchmarks": benchmarks,  # configs timed; 0 = nothing autotuned here
             "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
             "launches_per_forward": net.launches,
+            "launch": "plan" if net.planned else "jit",  # Triton's launch path, or a recorded forward replayed
             **({"fp8": FP8_RECIPE} if fp8 else {}),
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import triton
 
+from kernels.triton import plan
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Set by the ladder's prepare stage, which compiles kernels beside other jobs: timing configurations there would
 # choose by noise, so a shape missing from the tables takes the untuned configuration instead.
@@ -77,17 +79,23 @@ def autotune(configs, key, prune=None):
 def launch(kernel, grid, args, tune: bool, fixed: dict):
     """Run an autotuned `kernel` on `args` with its configuration from a tuning table, else autotuned (on the GPU),
     else (tuning off, or the interpreter without a table entry) its plain JIT function with `fixed`, a dict of
-    meta-parameters plus num_warps/num_stages."""
+    meta-parameters plus num_warps/num_stages. While a forward is recorded (kernels/triton/plan.py), the launch is
+    noted with the configuration it ran."""
     config = None
     if tune:
         key = table_key(kernel, args)
         config = TABLE.get(key) or TUNED.get(key)
         STATS["table_hits"] += key in TABLE
     if config is not None:
-        kernel.fn[grid](*args, **config["kwargs"], num_warps=config["num_warps"], num_stages=config["num_stages"])
+        chosen = {**config["kwargs"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        compiled = kernel.fn[grid](*args, **chosen)
     elif tune and not INTERPRET and not NO_AUTOTUNE:
-        kernel[grid](*args)
+        compiled = kernel[grid](*args)
         best = kernel.best_config
         TUNED[key] = {"kwargs": dict(best.kwargs), "num_warps": best.num_warps, "num_stages": best.num_stages}
+        chosen = dict(best.kwargs)
     else:
-        kernel.fn[grid](*args, **fixed)
+        chosen = fixed
+        compiled = kernel.fn[grid](*args, **fixed)
+    if plan.RECORDING is not None:
+        plan.note(compiled, kernel.fn, grid, args, chosen)

@@ -1,0 +1,51 @@
+"""The Triton rung's launch plan (kernels/triton/plan.py): on the GPU, a planned forward gives the bits of Triton's
+own launch path on every new input; on the CPU, where the interpreter compiles nothing, the rung refuses it."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from core.cell import Cell
+from tests.conftest import REPO
+from tiers.triton import TIER
+
+# Run in a process of its own: another test module switches this one to Triton's interpreter at import.
+CHECK = """
+import torch
+from core.cell import Cell, Store
+from core.model import build_model
+from tiers.triton import TIER
+
+net = build_model("resnet18").cuda().eval()
+xs = [torch.randn(2, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
+def built(launch):
+    cell = Cell(tier="triton", model="resnet18", batch=2, res=64, device="cuda", channels_last=True,
+                options=(("autotune", "off"), ("launch", launch)))
+    return TIER.build(net, xs[0], cell, Store())
+jit, planned = built("jit"), built("plan")
+assert planned.stats["launch"] == "plan" and jit.stats["launch"] == "jit"
+with torch.no_grad():
+    outs = []
+    for x in xs + xs[:1]:  # each new input read where the recorded forward read its own
+        expect = jit.forward(x).clone()
+        got = planned.forward(x).clone()
+        assert got.equal(expect), (got - expect).abs().max()
+        outs.append(got)
+    assert not outs[0].equal(outs[1]) and outs[0].equal(outs[3])
+print("plan ok")
+"""
+
+
+def test_a_plan_is_refused_where_triton_compiles_nothing():
+    cell = Cell(tier="triton", model="resnet18", batch=1, res=32, device="cpu", options=(("launch", "plan"),))
+    assert "interpreter" in TIER.supports(cell)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_planned_forward_gives_the_bits_of_tritons_own_launches_on_each_input():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "plan ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
