@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from core import proc as procs
-from core.cell import FRAMEWORK_DTYPES, layout_name
+from core.cell import FRAMEWORK_DTYPES, Cell, layout_name
 from core.env import environment
 from core.files import write_text_atomic
 from core.layers import Layer, distinct_layers
@@ -38,9 +38,13 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
     console = Console()
     for name in tiers:
         tier = get_tier(name)
+        cell = Cell(tier=name, model=model, batch=batch, res=res, device=device, dtype=dtype,
+                    channels_last=channels_last)
         reason = tier.availability(device)
         if reason:
             missing.append(f"{name}: unavailable here: {reason}")
+        elif refusal := tier.supports(cell):  # bf16 on ONNX Runtime, say: the rung refuses the network too
+            missing.append(f"{name}: {refusal}")
         elif tier.has_micro:
             if device != "cuda" or dtype not in FRAMEWORK_DTYPES:
                 missing.append(f"{name}: its per-layer microbenchmark times {', '.join(FRAMEWORK_DTYPES)} kernels "

@@ -223,6 +223,17 @@ def test_each_layer_alone_on_each_rung_with_parity(tmp_path):
     assert max(map(len, md.splitlines())) <= 100 and "FAIL" in md
 
 
+def test_a_rung_that_refuses_the_cell_says_why_instead_of_failing_each_layer(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "micro", "--layers", "--tiers", "onnxruntime", "--device",
+                           "cpu", "--dtype", "bf16", "--model", "resnet18", "--res", "32", "--batch", "2", "--out",
+                           str(tmp_path)], cwd=REPO, env=ENV80, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "layers.json").read_text())
+    [line] = doc["missing"]  # the rung's own refusal of a bf16 network, once, not a failed build per layer
+    assert line.startswith("onnxruntime: ") and "bfloat16" in line and "failed" not in line
+    assert all(not row["rungs"] for row in doc["layers"])
+
+
 def test_a_layers_floor_counts_only_the_input_it_reads():
     """The roofline's bytes: a 1x1 convolution of stride 2 (the downsample) reads a quarter of its input; a 3x3 of
     stride 2 reads all of it (its windows overlap). Counting the whole input put measured layers under the floor."""
