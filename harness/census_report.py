@@ -40,9 +40,13 @@ def run(config: LadderConfig, json_path: Path | None, md_path: Path | None) -> i
 
 
 def rerender(path: Path) -> None:
-    """`python -m harness report census.json`: the side-by-side, its markdown and plot made again from a census
-    file's rungs, by this checkout's code, beside it."""
+    """`python -m harness report census.json`: the side-by-side, its markdown and plot made again by this
+    checkout's code, beside it, from the run's records (its ladder.json) where they are there, else from the census
+    file's rungs."""
     out = json.loads(path.read_text())
+    records = path.with_name("ladder.json")
+    if records.is_file():  # the run's own records beside it: every field this checkout's census reads from them
+        out["census"] = census_rungs(json.loads(records.read_text())["results"])
     show_and_write(out, path, path.with_suffix(".md"))
 
 
