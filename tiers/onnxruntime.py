@@ -43,6 +43,9 @@ class OnnxRuntime(PythonTier):
     provider = "CUDAExecutionProvider"
     half = "fp16"  # the CUDA EP has no bf16 MaxPool or GlobalAveragePool (docs/OperatorKernels.md): deployed in fp16
     cuda_graph = True  # the CUDA EP's own graph (enable_cuda_graph), on the bound buffers
+    # ORT saves the graph it runs (the census places renamed nodes by it) only where no EP compiles nodes into an
+    # engine of its own, as TensorRT's does (onnxruntime issue #12804)
+    saves_its_graph = True
     # conv-algo-search: how the CUDA EP picks each convolution's cuDNN algorithm: timing them all (ORT's default),
     # cuDNN's heuristic, or always implicit-precomp GEMM; the choice moves both speed and fp32 rounding.
     # fp16-graph: how the fp16 graph is made (tiers/exports/onnx.py export_onnx): the converter's is 2-2.5x closer
@@ -145,10 +148,11 @@ class OnnxRuntime(PythonTier):
             """The census's twin: a session of its own with ORT's profiler on (on from its creation, so never the
             measured one), and its nodes' ranges named by the exporter's module scopes, through the graph ORT ran
             (its layout pass gives the nodes it rewrites new names; their outputs keep the exporter's)."""
-            twin, forward = session_of(profiling=True, keep_graph=True)
+            twin, forward = session_of(profiling=True, keep_graph=self.saves_its_graph)
             layers = node_layers(path)
-            return forward, lambda: node_events(twin, {**renamed_layers(optimized, layers), **layers},
-                                                cell.device == "cpu")
+            if self.saves_its_graph:
+                layers = {**renamed_layers(optimized, layers), **layers}
+            return forward, lambda: node_events(twin, layers, cell.device == "cpu")
 
         session, forward = session_of(profiling=False)
         forward.keepalive = (keep, profiles)  # the closure holds session and binding; these, their directories

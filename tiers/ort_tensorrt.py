@@ -32,6 +32,7 @@ class OrtTensorRT(OnnxRuntime):
     summary = "ONNX Runtime, TensorRT execution provider (IO binding on a torch stream)"
     provider = "TensorrtExecutionProvider"
     cuda_graph = False  # TensorRT's own graph option (trt_cuda_graph_enable) is not wired: no TensorRT here to test it
+    saves_its_graph = False  # its engines are compiled nodes, which ORT cannot save
 
     def availability(self, device):
         if device != "cuda":
