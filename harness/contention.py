@@ -17,13 +17,16 @@ BUSY_CPUS = 0.5  # other processes keeping more than half a CPU busy on average 
 
 
 def _stat(pid: int | str) -> tuple[int, int] | None:
-    """(ppid, utime + stime ticks) of a process, or None if it is gone."""
+    """(ppid, CPU ticks) of a process, or None if it is gone. The ticks are its own (utime + stime) and those of
+    its children that it has waited for (cutime + cstime): a child of the ladder that ends inside a cell's window
+    hands its ticks to its parent, so the tree's sum never drops. Without them, a rung's process ending on another
+    GPU took its whole CPU time out of 'ours' and made it 'other' (42.5 CPUs busy on a 32-core host)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), int(fields[11]) + int(fields[12])
+    return int(fields[1]), sum(int(f) for f in fields[11:15])
 
 
 def process_tree(root: int) -> dict[int, int]:

@@ -367,6 +367,21 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "results.jsonl").exists() and not list(tmp_path.glob("*.safetensors"))
 
 
+def test_a_busy_child_of_the_ladder_that_ends_inside_the_window_is_still_its_own():
+    """As a rung's process on another GPU ends while a cell is timed: its CPU time stays 'ours' (it passes to its
+    parent when reaped), so neither its ticks before the window nor in it read as another process's."""
+    from harness.contention import Contention
+
+    check = Contention()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.2: pass"])
+    time.sleep(0.6)  # CPU time spent before the window opens
+    check.begin()
+    child.wait()  # it ends and is reaped inside the window
+    time.sleep(0.3)
+    check.end()
+    assert check.result["other_cpus_busy"] < 0.5 and not check.result["flagged"], check.result
+
+
 def test_a_cell_measured_beside_a_busy_process_is_flagged_and_refused_on_request(tmp_path):
     """A busy loop outside the ladder's process tree: the cell is flagged (warn) or refused (error)."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
