@@ -355,8 +355,10 @@ def agreement_columns(a: dict | None) -> dict[str, str]:
     if a is None:
         return {"max pts": "", f"> {AGREEMENT_POINTS} pts": "", "> twin": ""}
 
-    def epochs(es: list[int] | None) -> str:
-        return "-" if es is None else f"{len(es)}" + (f" ({', '.join(map(str, es[:6]))}{', ...' if len(es) > 6 else ''})"
-                                                     if es else "")
+    def epochs(es: list[int] | None) -> str:  # how many, and the first six of them
+        if not es:
+            return "-" if es is None else "0"
+        return f"{len(es)} ({', '.join(map(str, es[:6]))}{', ...' if len(es) > 6 else ''})"
+
     return {"max pts": f"{a['max_points']:.1f}", f"> {AGREEMENT_POINTS} pts": epochs(a["epochs_beyond"]),
             "> twin": epochs(a["epochs_beyond_twin"])}

@@ -84,7 +84,7 @@ def run_local(ctx: Context, units: list[list[Cell]], on_record: OnRecord, slots:
 def portable(ctx: Context) -> dict:
     """The context as a Ray task takes it: plain data (the run directory by its path; no callbacks, no locks)."""
     fields = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)
-              if f.name not in ("run", "on_phase", "stop", "gpu", "processes_root")}
+              if f.name not in ("run", "on_phase", "stop", "gpu")}
     return {**fields, "run": (str(ctx.run.path), ctx.run.model, ctx.run.device)}
 
 

@@ -108,19 +108,17 @@ class OnnxRuntime(PythonTier):
             providers = ["CPUExecutionProvider"]
 
         out = None  # the bound output, shaped by the first session's graph (its batch axis: the cell's batch)
-        profiles = tempfile.TemporaryDirectory(prefix="ladder-ort-profile-")  # the census twin's, not the cache's
 
-        optimized = Path(profiles.name) / "optimized.onnx"  # the census twin's graph as ORT rewrote it
-
-        def session_of(profiling: bool, keep_graph: bool = False):
-            """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding)."""
+        def session_of(profile_dir: Path | None = None):
+            """A session of the model and its forward: on the GPU bound to the example and `out` (IO binding). With
+            `profile_dir`, ORT's profiler on, writing there, and the graph ORT runs kept there (where it can)."""
             nonlocal out
             so = session_options(path, cell)
-            if profiling:
+            if profile_dir:
                 so.enable_profiling = True
-                so.profile_file_prefix = str(Path(profiles.name) / "ort-census")
-            if keep_graph:
-                so.optimized_model_filepath = str(optimized)
+                so.profile_file_prefix = str(profile_dir / "ort-census")
+                if self.saves_its_graph:
+                    so.optimized_model_filepath = str(profile_dir / "optimized.onnx")
             session = ort.InferenceSession(str(path), so, providers=providers)
             if cell.device == "cpu":
                 feed = {"input": x.numpy()}  # shares memory with the example tensor
@@ -148,14 +146,20 @@ class OnnxRuntime(PythonTier):
             """The census's twin: a session of its own with ORT's profiler on (on from its creation, so never the
             measured one), and its nodes' ranges named by the exporter's module scopes, through the graph ORT ran
             (its layout pass gives the nodes it rewrites new names; their outputs keep the exporter's)."""
-            twin, forward = session_of(profiling=True, keep_graph=self.saves_its_graph)
+            profiles = tempfile.TemporaryDirectory(prefix="ladder-ort-profile-")
+            twin, forward = session_of(Path(profiles.name))
             layers = node_layers(path)
             if self.saves_its_graph:
-                layers = {**renamed_layers(optimized, layers), **layers}
-            return forward, lambda: node_events(twin, layers, cell.device == "cpu")
+                layers = {**renamed_layers(Path(profiles.name) / "optimized.onnx", layers), **layers}
 
-        session, forward = session_of(profiling=False)
-        forward.keepalive = (keep, profiles)  # the closure holds session and binding; these, their directories
+            def events() -> list[dict]:
+                with profiles:  # the profile ORT writes there, read, then the folder removed
+                    return node_events(twin, layers, cell.device == "cpu")
+
+            return forward, events
+
+        session, forward = session_of()
+        forward.keepalive = keep  # the exported graph's directory (the closure holds session and binding)
         stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__,
                  "fixed_batch": cell.batch if cell.cuda_graph else None}
         if cell.device == "cpu":

@@ -32,8 +32,8 @@ class Launch:
 def note(compiled, fn, grid, args: tuple, kwargs: dict) -> None:
     """Called by `launch` after it launched `fn` (a JITFunction) on `args` with `kwargs` (meta-parameters, and
     options such as num_warps that are no parameters): keeps the compiled kernel, the grid and the bound arguments."""
-    params = inspect.signature(fn.fn).parameters
-    bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+    signature = inspect.signature(fn.fn)
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
     bound.apply_defaults()
     g = grid(bound.arguments) if callable(grid) else grid
     RECORDING.append(Launch(compiled, (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1),

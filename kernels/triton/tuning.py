@@ -80,15 +80,15 @@ def launch(kernel, grid, args, tune: bool, fixed: dict):
     """Run an autotuned `kernel` on `args` with its configuration from a tuning table, else autotuned (on the GPU),
     else (tuning off, or the interpreter without a table entry) its plain JIT function with `fixed`, a dict of
     meta-parameters plus num_warps/num_stages. While a forward is recorded (kernels/triton/plan.py), the launch is
-    noted with the configuration it ran."""
+    noted with the meta-parameters it ran (`chosen`)."""
     config = None
     if tune:
         key = table_key(kernel, args)
         config = TABLE.get(key) or TUNED.get(key)
         STATS["table_hits"] += key in TABLE
     if config is not None:
-        chosen = {**config["kwargs"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        compiled = kernel.fn[grid](*args, **chosen)
+        chosen = config["kwargs"]
+        compiled = kernel.fn[grid](*args, **chosen, num_warps=config["num_warps"], num_stages=config["num_stages"])
     elif tune and not INTERPRET and not NO_AUTOTUNE:
         compiled = kernel[grid](*args)
         best = kernel.best_config
