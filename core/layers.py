@@ -180,12 +180,14 @@ def distinct_layers(model_name: str, res: int) -> tuple[Layer, ...]:
 
 class LayerNet(torch.nn.Module):
     """One layer alone: convolution, BatchNorm (eval) and its epilogue; the residual it adds is a buffer of the
-    output's shape, read as the block's shortcut would be."""
+    output's shape, read as the block's shortcut would be. With a residual, it takes only that batch (`fixed_batch`:
+    an exporter must not give it a free batch axis)."""
 
     def __init__(self, conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, epilogue: str, residual: torch.Tensor | None):
         super().__init__()
         self.conv, self.bn, self.epilogue = conv, bn, epilogue
         self.register_buffer("residual", residual)
+        self.fixed_batch = None if residual is None else residual.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(self.conv(x))

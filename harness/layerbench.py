@@ -24,7 +24,7 @@ from core.layers import Layer, distinct_layers, layer_net
 from core.model import load_model
 from core.parity import compare
 from core.placement import set_math_mode
-from harness.worker import Clock, prepare_input
+from harness.worker import Clock, prepare_input, sync_of
 from tiers import get_tier
 
 WARMUP = 10
@@ -44,6 +44,7 @@ def bench_layer(tier, model: torch.nn.Module, layer: Layer, cell: Cell, reps: in
     stream = (built.stream or torch.cuda.current_stream()) if cell.device == "cuda" else None
     with torch.inference_mode():
         out = built.forward(example)
+        sync_of(built, cell)()  # a rung on a stream of its own (ONNX Runtime's) may still be writing `out`
         parity = compare(out.detach().float().cpu().reshape(cell.batch, -1), ref.reshape(cell.batch, -1), cell.dtype)
         clock = Clock(stream)
         samples = []

@@ -1,6 +1,6 @@
 """The cudnn rung (cpp/cudnn, tiers/cudnn.py): without a GPU, the real CMake build with nvcc against PyTorch's cuDNN
 and cuBLASLt wheels, the availability reasons, and the child contract (inference and training) of the built binary;
-on a GPU, the training step's backward against eager's."""
+on a GPU, the training step's backward against eager's, and training on given batches against eager's."""
 from __future__ import annotations
 
 import os
@@ -13,11 +13,13 @@ from safetensors.torch import load_file
 
 from core import train
 from core.cell import Cell, Unavailable
-from core.model import build_model, make_input, write_input, write_weights
+from core.model import build_model, make_input, write_input, write_weights, zero_init_residual
 from core.paths import REPO
 from core.placement import set_math_mode
 from harness.contract import Protocol, contract_argv
 from tiers.cudnn import TIER, toolchain
+
+from training_on_data import BATCH, check_training_on_data
 
 
 def test_unavailable_on_cpu():
@@ -113,6 +115,18 @@ def test_backward_of_the_last_bottleneck_matches_eager(binary, tmp_path):
         expected = params[name].detach().cpu() - initial[name]
         got = ours[f"param.{name}"] - initial[name]
         assert (got - expected).norm() / expected.norm() < 1e-2, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_data_takes_the_batches_given_and_matches_eager(binary, tmp_path):
+    """train-to-accuracy's contract on the cudnn rung, strict fp32: each epoch's state and mean loss are eager's
+    after the same batches at the same rates (tests/training_on_data.py). Its batches came in through a plain
+    cudaMemcpy, which may return before the copy lands and does not order against the rung's stream: on the H100,
+    the digits' train loss stayed near 1 while eager's fell to 0."""
+    initial = zero_init_residual(build_model("resnet50"))
+    initial.fc = torch.nn.Linear(2048, 10)
+    cell = Cell(tier="cudnn", batch=BATCH, res=32, dtype="fp32", channels_last=True, task="train")
+    check_training_on_data([binary], initial, cell, Protocol(warmup_max=1, iters=1, max_iters=1, util_s=0), tmp_path)
 
 
 def test_memory_plan_never_overlaps_live_tensors(tmp_path):

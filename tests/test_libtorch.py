@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from core.model import build_model, make_input, read_tensor, write_input, write_weights
-from harness.contract import PHASES, RESULT_KEYS, TRAIN_PHASES, TRAIN_RESULT_KEYS, Protocol, contract_argv
+from harness.contract import PHASES, RESULT_KEYS, Protocol, contract_argv
 from core.cell import Cell
 from tiers.libtorch import TIERS
+
+from training_on_data import BATCH, check_training_on_data
 
 # The contract's options at a size that keeps each run to seconds on a small CPU.
 TINY = Protocol(warmup_min=1, warmup_max=2, warmup_s=0.01, iters=2, min_time_s=0.01, max_iters=3, precision=1e-9, pipelined_iters=2,
@@ -157,52 +159,14 @@ def test_census_pass_is_the_same_in_both_protocol_implementations(programs, file
         assert {g["group"] for g in summary["groups"]} >= {"stem", "layer1", "layer4"}
 
 
-def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, files, tmp_path):
-    """train-to-accuracy's contract (--train-data, --states): the C++ program trains a 10-class network on the
-    images, labels, batch order and per-step rates given, and its state after each epoch is eager's after the same
-    steps (a rate left constant, or read once, fails: the rates differ by up to 5x)."""
-    from safetensors.torch import load_file, save_file
-
-    from core import train
-
+def test_training_on_data_takes_the_batches_given_and_matches_eager(programs, tmp_path):
+    """train-to-accuracy's contract (--train-data, --states) on the libtorch program: each epoch's state is eager's
+    after the same batches at the same rates (tests/training_on_data.py)."""
     torch.manual_seed(0)
     initial = build_model("resnet18")
     initial.fc = torch.nn.Linear(512, 10)
-    x, y = make_input(8, 32), torch.arange(8) % 10
-    order = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(e)) for e in range(2)])
-    write_weights(initial, tmp_path / "weights.safetensors")
-    rates = torch.tensor([[0.05, 0.01], [0.03, 0.02]])
-    save_file({"x": x, "y": y.float(), "order": order.float(), "lr": rates}, str(tmp_path / "train.safetensors"))
-    write_input(x[:4], tmp_path / "input.safetensors")
-    (tmp_path / "states").mkdir()
-    cell = Cell(tier="libtorch", model="resnet18", batch=4, res=32, device="cpu", task="train")
-    argv = contract_argv(programs["libtorch"], cell, {
-        "weights": tmp_path / "weights.safetensors", "input": tmp_path / "input.safetensors",
-        "output": tmp_path / "output.safetensors", "result": tmp_path / "result.json"}, TINY, {
-        "train-data": str(tmp_path / "train.safetensors"), "states": str(tmp_path / "states"), "lr": "0.05"})
-    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == list(TRAIN_PHASES)
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert set(result) == TRAIN_RESULT_KEYS and [e["epoch"] for e in result["epochs"]] == [1, 2]
-
-    start = {k: v.clone() for k, v in initial.state_dict().items()}
-    net = train.place_for_training(initial, cell)
-    lr = torch.tensor(0.05)
-    step = train.make_step(net, net, cell, num_classes=10, lr=lr)
-
-    def at_rate(rate, idx):
-        lr.fill_(rate)
-        return step(x[idx], y[idx])
-
-    for epoch, perm in enumerate(order, start=1):  # parity over steps, as a training cell's (core/train.py)
-        losses = [at_rate(rate, idx) for rate, idx in zip(rates[epoch - 1].tolist(), perm.view(-1, 4))]
-        loss = torch.stack(losses).mean().reshape(1)
-        state = load_file(str(tmp_path / "states" / f"epoch-{epoch}.safetensors"))
-        mine = {**state, "loss": torch.tensor([result["epochs"][epoch - 1]["train_loss"]])}
-        verdict = train.compare(mine, {**train.state_of(net), "loss": loss}, start, "fp32")
-        assert verdict["ok"], (epoch, verdict)
+    cell = Cell(tier="libtorch", model="resnet18", batch=BATCH, res=32, device="cpu", task="train")
+    check_training_on_data(programs["libtorch"], initial, cell, TINY, tmp_path)
 
 
 def test_host_rss_is_the_childs_own_peak(programs, files):

@@ -57,24 +57,28 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workd
         path, facts = export_onnx(model, example.float(), dataclasses.replace(cell, dtype="fp32"), workdir)
         return to_fp16(path), {**facts, "fp16_graph": "onnxconverter-common float16 of the fp32 export"}
     graph_dtype = "fp32" if cell.dtype == "tf32" else cell.dtype
-    digest = hashlib.sha1(repr((cell.model, graph_dtype, cell.channels_last, cell.res)).encode()).hexdigest()[:10]
-    path = Path(workdir) / f"{cell.model}-{digest}.onnx"
+    fixed_batch = getattr(model, "fixed_batch", None)  # a layer alone with its residual (core.layers.LayerNet)
+    digest = hashlib.sha1(repr((cell.model, graph_dtype, cell.channels_last, cell.res, fixed_batch)).encode())
+    path = Path(workdir) / f"{cell.model}-{digest.hexdigest()[:10]}.onnx"
     facts: dict[str, Any] = {"onnx_file": "found in the rung's cache" if path.exists() else "exported"}
     if not path.exists():
         placed = place_model(model, cell).cpu() if graph_dtype == "fp32" else place_model(model, cell)
         module = NHWCInput(placed) if cell.channels_last else placed
-        # Two samples, not one: torch.export specialises a size-1 dimension, which for the NHWC input contradicts
-        # the dynamic batch axis ("Invalid ranges [2:1]"); the exported graph still takes any batch from 1 up.
-        x = bound_input(example, cell)[:1].to(next(placed.parameters()).device).repeat(2, 1, 1, 1)
+        x = bound_input(example, cell).to(next(placed.parameters()).device)
+        if fixed_batch is None:
+            # Two samples, not one: torch.export specialises a size-1 dimension, which for the NHWC input
+            # contradicts the dynamic batch axis ("Invalid ranges [2:1]"); the graph still takes any batch from 1 up.
+            x, dynamic = x[:1].repeat(2, 1, 1, 1), ({0: torch.export.Dim("batch", min=1, max=4096)},)
+        else:
+            dynamic = None
         t = time.perf_counter()
         # Exported beside the cache, then moved in, external data first and the graph last: a process beside this
         # one (the prepare stage's) finds the whole graph or none.
         with tempfile.TemporaryDirectory(dir=workdir, prefix=".export-") as tmp:
-            batch = torch.export.Dim("batch", min=1, max=4096)
             with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(module, (x,), str(Path(tmp) / path.name), input_names=["input"],
-                                  output_names=["logits"], dynamic_shapes=({0: batch},), dynamo=True)
+                                  output_names=["logits"], dynamic_shapes=dynamic, dynamo=True)
             for p in sorted(Path(tmp).iterdir(), key=lambda p: p.name == path.name):
                 os.replace(p, path.parent / p.name)
         facts["onnx_export_s"] = time.perf_counter() - t

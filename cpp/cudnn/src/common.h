@@ -76,7 +76,10 @@ class DeviceBuffer {
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
     LADDER_CUDA(cudaMalloc(&ptr_, bytes));
-    LADDER_CUDA(cudaMemset(ptr_, 0, bytes));  // no uninitialised reads, even while autotuning
+    // No uninitialised reads, even while autotuning. cudaMemset runs on the legacy stream, which the rung's
+    // non-blocking stream does not wait for: done before any kernel can read the buffer.
+    LADDER_CUDA(cudaMemset(ptr_, 0, bytes));
+    LADDER_CUDA(cudaDeviceSynchronize());
     Ledger& l = Ledger::get();
     l.live += bytes;
     l.peak = std::max(l.peak, l.live);
@@ -113,6 +116,14 @@ class TuningWorkspace {
   size_t limit_;
   DeviceBuffer buf_;
 };
+
+// Host to device in `stream`'s order, complete on return. A plain cudaMemcpy from pageable memory may return
+// before its DMA lands, on the legacy stream, which a non-blocking stream does not wait for: a kernel on `stream`
+// could read the old bytes (the training rung's next batch came in partly stale).
+inline void upload(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  LADDER_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+  LADDER_CUDA(cudaStreamSynchronize(stream));
+}
 
 inline size_t align_up(size_t n, size_t a = 256) { return (n + a - 1) / a * a; }
 

@@ -137,7 +137,7 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   size_t fc_w = arena.add(weight(weights, "fc.weight", {classes, features}).data);
   size_t fc_b = arena.add(weight(weights, "fc.bias", {classes}).data);
   weights_ = DeviceBuffer(arena.data().size());
-  LADDER_CUDA(cudaMemcpy(weights_.get(), arena.data().data(), arena.data().size(), cudaMemcpyHostToDevice));
+  upload(weights_.get(), arena.data().data(), arena.data().size(), stream_);
   auto wptr = [&](size_t off) { return static_cast<const char*>(weights_.get()) + off; };
 
   // Input: the contract's fp32 NCHW converted once into this rung's dtype and layout.
@@ -145,12 +145,12 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   acts_[0].ptr = input_.get();
   if (o_.nhwc) {
     DeviceBuffer staging(input.data.size() * sizeof(float));
-    LADDER_CUDA(cudaMemcpy(staging.get(), input.data.data(), staging.bytes(), cudaMemcpyHostToDevice));
+    upload(staging.get(), input.data.data(), staging.bytes(), stream_);
     nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), p.storage, o_.batch, 3, o_.res, o_.res,
                  c_in, stream_);
     LADDER_CUDA(cudaStreamSynchronize(stream_));
   } else {
-    LADDER_CUDA(cudaMemcpy(input_.get(), input.data.data(), input_.bytes(), cudaMemcpyHostToDevice));
+    upload(input_.get(), input.data.data(), input_.bytes(), stream_);
   }
   output_ = DeviceBuffer(size_t(o_.batch) * classes * p.bytes);
   plan_memory(stats);

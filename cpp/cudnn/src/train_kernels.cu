@@ -29,26 +29,50 @@ __host__ __device__ void combine(F& n, F& mean, F& m2, F nb, F mb, F m2b) {
 // BatchNorm's reductions, vectorised as the elementwise passes: a thread holds 8 neighbouring channels (one 16-byte
 // load per row in 16 bits), the C / 8 threads of a row are neighbours, and a block of kThreads covers kThreads / (C /
 // 8) rows at a time; blockIdx.x picks one of gridDim.x interleaved sets of rows. Every ResNet-50 channel count divides
-// 8 * kThreads into whole rows.
+// 8 * kThreads into whole rows. Each thread loads kRowsInFlight rows before it folds any in, and the grid fills the
+// chip (BnGrid): with one row in flight and too few blocks, the small layers ran at 14-28% of HBM bandwidth (Nsight
+// Compute, H100). Every BatchNorm pass is bounded to 64 registers, 4 blocks of kThreads per SM.
+constexpr int kRowsInFlight = 2;
+constexpr int kGradRowsInFlight = 1;  // the backward's passes read three tensors: two rows spilled at 64 registers
+constexpr int kBlocksPerSm = 4;
+
 struct RowTiling {
   int lanes, rows;  // threads per row, rows per block step
   __device__ explicit RowTiling(int channels) : lanes(channels / kVec), rows(blockDim.x / (channels / kVec)) {}
 };
 
 template <typename T>
-__global__ void bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __restrict__ partial) {
+__device__ Pack<T> load_pack(const T* base, size_t pack) {
+  return reinterpret_cast<const Pack<T>*>(base)[pack];
+}
+
+template <typename T>
+__device__ void store_pack(T* base, size_t pack, const Pack<T>& v) {
+  reinterpret_cast<Pack<T>*>(base)[pack] = v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __restrict__ partial) {
   const RowTiling tile(channels);
   const int lane = threadIdx.x % tile.lanes, sub = threadIdx.x / tile.lanes;
+  const int64_t step = int64_t(gridDim.x) * tile.rows;
   float n = 0, mean[kVec] = {}, m2[kVec] = {};
-  for (int64_t r = int64_t(blockIdx.x) * tile.rows + sub; r < rows; r += int64_t(gridDim.x) * tile.rows) {
-    const Pack<T> v = reinterpret_cast<const Pack<T>*>(x + r * channels)[lane];
-    n += 1;
-    const float inv = 1.f / n;  // Welford, one division per row for the thread's 8 channels
+  for (int64_t r0 = int64_t(blockIdx.x) * tile.rows + sub; r0 < rows; r0 += kRowsInFlight * step) {
+    Pack<T> v[kRowsInFlight];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float d = to_float(v.v[j]) - mean[j];
-      mean[j] += d * inv;
-      m2[j] += d * (to_float(v.v[j]) - mean[j]);
+    for (int u = 0; u < kRowsInFlight; ++u)
+      if (r0 + u * step < rows) v[u] = load_pack(x, size_t(r0 + u * step) * tile.lanes + lane);
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      if (r0 + u * step >= rows) break;
+      n += 1;
+      const float inv = 1.f / n;  // Welford, one division per row for the thread's 8 channels
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float d = to_float(v[u].v[j]) - mean[j];
+        mean[j] += d * inv;
+        m2[j] += d * (to_float(v[u].v[j]) - mean[j]);
+      }
     }
   }
   // The block's rows of each channel combined (Chan), in shared memory: [thread][channel of the thread].
@@ -96,43 +120,81 @@ __global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups
   scale_shift[channels + c] = float(beta[c] - mean * scale);
 }
 
-template <typename T>
-__global__ void bn_apply_kernel(const T* __restrict__ x, const T* __restrict__ z, T* __restrict__ y, bool relu,
-                                size_t packs, int channels, const float* __restrict__ scale_shift) {
-  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  if (i >= packs) return;
-  const int c0 = int((i * kVec) % channels);
-  const Pack<T> in = reinterpret_cast<const Pack<T>*>(x)[i];
-  Pack<T> add{}, out;
-  if (z) add = reinterpret_cast<const Pack<T>*>(z)[i];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    float v = to_float(in.v[j]) * scale_shift[c0 + j] + scale_shift[channels + c0 + j];
-    if (z) v += to_float(add.v[j]);
-    out.v[j] = from_float<T>(relu ? fmaxf(v, 0.f) : v);
-  }
-  reinterpret_cast<Pack<T>*>(y)[i] = out;
-}
+// The elementwise passes: a grid-stride loop in which a thread's 8 channels never change (8 * kThreads and the
+// stride are multiples of every channel count), so each thread reads its per-channel coefficients once, into
+// registers. Reading them from memory for every pack made these passes L1-bound (Nsight Compute, H100: the small
+// layers' apply at 33% of HBM bandwidth). kRowsInFlight packs are loaded before any is written.
+struct ChannelStride {
+  size_t first, stride;
+  int c0;  // the thread's first channel
+  __device__ explicit ChannelStride(int channels)
+      : first(blockIdx.x * size_t(blockDim.x) + threadIdx.x),
+        stride(size_t(gridDim.x) * blockDim.x),
+        c0(int(threadIdx.x * kVec % channels)) {}
+};
 
 template <typename T>
-__global__ void bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_apply_kernel(const T* __restrict__ x, const T* __restrict__ z, T* __restrict__ y, bool relu,
+                                size_t packs, int channels, const float* __restrict__ scale_shift) {
+  const ChannelStride at(channels);
+  float scale[kVec], shift[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) scale[j] = scale_shift[at.c0 + j], shift[j] = scale_shift[channels + at.c0 + j];
+  for (size_t i0 = at.first; i0 < packs; i0 += kRowsInFlight * at.stride) {
+    Pack<T> in[kRowsInFlight], add[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const size_t i = i0 + u * at.stride;
+      if (i < packs) {
+        in[u] = load_pack(x, i);
+        if (z) add[u] = load_pack(z, i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const size_t i = i0 + u * at.stride;
+      if (i >= packs) break;
+      Pack<T> out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float v = to_float(in[u].v[j]) * scale[j] + shift[j];
+        if (z) v += to_float(add[u].v[j]);
+        out.v[j] = from_float<T>(relu ? fmaxf(v, 0.f) : v);
+      }
+      store_pack(y, i, out);
+    }
+  }
+}
+
+template <typename T, int InFlight>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
                                     bool relu, int64_t rows, int channels, const float* __restrict__ save_mean,
                                     const float* __restrict__ save_invstd, float* __restrict__ partial) {
   const RowTiling tile(channels);
   const int lane = threadIdx.x % tile.lanes, sub = threadIdx.x / tile.lanes;
+  const int64_t step = int64_t(gridDim.x) * tile.rows;
   float mean[kVec], invstd[kVec], sum[kVec] = {}, dot[kVec] = {};
 #pragma unroll
   for (int j = 0; j < kVec; ++j) mean[j] = save_mean[lane * kVec + j], invstd[j] = save_invstd[lane * kVec + j];
-  for (int64_t r = int64_t(blockIdx.x) * tile.rows + sub; r < rows; r += int64_t(gridDim.x) * tile.rows) {
-    const size_t at = size_t(r) * channels / kVec + lane;
-    const Pack<T> g = reinterpret_cast<const Pack<T>*>(dy)[at], in = reinterpret_cast<const Pack<T>*>(x)[at];
-    Pack<T> out{};
-    if (relu) out = reinterpret_cast<const Pack<T>*>(y)[at];
+  for (int64_t r0 = int64_t(blockIdx.x) * tile.rows + sub; r0 < rows; r0 += InFlight * step) {
+    Pack<T> g[InFlight], in[InFlight], out[InFlight];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float d = relu && to_float(out.v[j]) <= 0.f ? 0.f : to_float(g.v[j]);  // ReLU's gradient, from its output
-      sum[j] += d;
-      dot[j] += d * (to_float(in.v[j]) - mean[j]) * invstd[j];
+    for (int u = 0; u < InFlight; ++u) {
+      if (r0 + u * step >= rows) continue;
+      const size_t at = size_t(r0 + u * step) * tile.lanes + lane;
+      g[u] = load_pack(dy, at);
+      in[u] = load_pack(x, at);
+      if (relu) out[u] = load_pack(y, at);
+    }
+#pragma unroll
+    for (int u = 0; u < InFlight; ++u) {
+      if (r0 + u * step >= rows) break;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float d = relu && to_float(out[u].v[j]) <= 0.f ? 0.f : to_float(g[u].v[j]);  // ReLU's, from its output
+        sum[j] += d;
+        dot[j] += d * (to_float(in[u].v[j]) - mean[j]) * invstd[j];
+      }
     }
   }
   __shared__ float ssum[kThreads][kVec], sdot[kThreads][kVec];
@@ -149,9 +211,12 @@ __global__ void bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restric
   }
 }
 
+// dx = gamma * invstd * (dy' - mean(dy') - xhat * mean(dy' * xhat)), folded per channel into dx = a * dy' + b * x + c,
+// with a = gamma * invstd, b = -a * invstd * mean(dy' * xhat), c = -a * mean(dy') - b * mean, in fp64: coef holds
+// a, b and c, kBnCoefs x channels.
 __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int groups, int channels, int64_t rows,
-                                        const float* gamma, const float* save_invstd, float* dgamma, float* dbeta,
-                                        float* coef) {
+                                        const float* gamma, const float* save_mean, const float* save_invstd,
+                                        float* dgamma, float* dbeta, float* coef) {
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;  // a warp per channel
   if (c >= channels) return;
   double sum = 0, dot = 0;
@@ -166,32 +231,45 @@ __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int g
   if (lane != 0) return;
   dbeta[c] = float(sum);
   dgamma[c] = float(dot);
-  coef[c] = gamma[c] * save_invstd[c];
-  coef[channels + c] = float(sum / rows);
-  coef[2 * channels + c] = float(dot / rows);
+  const double a = double(gamma[c]) * save_invstd[c], b = -a * save_invstd[c] * (dot / rows);
+  coef[c] = float(a);
+  coef[channels + c] = float(b);
+  coef[2 * channels + c] = float(-a * (sum / rows) - b * save_mean[c]);
 }
 
-template <typename T>
-__global__ void bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz,
-                                     bool relu, size_t packs, int channels,
-                                     const float* __restrict__ save_mean, const float* __restrict__ save_invstd,
-                                     const float* __restrict__ coef) {
-  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  if (i >= packs) return;
-  const int c0 = int((i * kVec) % channels);
-  const Pack<T> g = reinterpret_cast<const Pack<T>*>(dy)[i], in = reinterpret_cast<const Pack<T>*>(x)[i];
-  Pack<T> out{}, masked, dout;
-  if (relu) out = reinterpret_cast<const Pack<T>*>(y)[i];
+template <typename T, int InFlight>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz,
+                                     bool relu, size_t packs, int channels, const float* __restrict__ coef) {
+  const ChannelStride at(channels);
+  float a[kVec], b[kVec], c[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const int c = c0 + j;
-    const float d = relu && to_float(out.v[j]) <= 0.f ? 0.f : to_float(g.v[j]);
-    masked.v[j] = from_float<T>(d);
-    const float xhat = (to_float(in.v[j]) - save_mean[c]) * save_invstd[c];
-    dout.v[j] = from_float<T>(coef[c] * (d - coef[channels + c] - xhat * coef[2 * channels + c]));
+  for (int j = 0; j < kVec; ++j)
+    a[j] = coef[at.c0 + j], b[j] = coef[channels + at.c0 + j], c[j] = coef[2 * channels + at.c0 + j];
+  for (size_t i0 = at.first; i0 < packs; i0 += InFlight * at.stride) {
+    Pack<T> g[InFlight], in[InFlight], out[InFlight];
+#pragma unroll
+    for (int u = 0; u < InFlight; ++u) {
+      const size_t i = i0 + u * at.stride;
+      if (i >= packs) continue;
+      g[u] = load_pack(dy, i);
+      in[u] = load_pack(x, i);
+      if (relu) out[u] = load_pack(y, i);
+    }
+#pragma unroll
+    for (int u = 0; u < InFlight; ++u) {
+      const size_t i = i0 + u * at.stride;
+      if (i >= packs) break;
+      Pack<T> masked, grad;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float d = relu && to_float(out[u].v[j]) <= 0.f ? 0.f : to_float(g[u].v[j]);
+        masked.v[j] = from_float<T>(d);
+        grad.v[j] = from_float<T>(a[j] * d + b[j] * to_float(in[u].v[j]) + c[j]);
+      }
+      store_pack(dx, i, grad);  // dx may be dy: each pack is read, then written, by the same thread
+      if (dz) store_pack(dz, i, masked);
+    }
   }
-  reinterpret_cast<Pack<T>*>(dx)[i] = dout;
-  if (dz) reinterpret_cast<Pack<T>*>(dz)[i] = masked;
 }
 
 // Sum of a block's values, for every thread (blockDim.x a multiple of 32, at most 1024).
@@ -259,14 +337,22 @@ __global__ void column_sum_kernel(const T* __restrict__ dy, T* __restrict__ db, 
 }
 
 template <typename T>
-__global__ void add_kernel(const T* a, const T* __restrict__ b, T* out, size_t packs) {  // out may be a
-  const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  if (i >= packs) return;
-  const Pack<T> x = reinterpret_cast<const Pack<T>*>(a)[i], y = reinterpret_cast<const Pack<T>*>(b)[i];
-  Pack<T> o;
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) add_kernel(const T* a, const T* __restrict__ b, T* out, size_t packs) {  // out may be a
+  const size_t first = blockIdx.x * size_t(blockDim.x) + threadIdx.x, stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i0 = first; i0 < packs; i0 += kRowsInFlight * stride) {
+    Pack<T> x[kRowsInFlight], y[kRowsInFlight];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) o.v[j] = from_float<T>(to_float(x.v[j]) + to_float(y.v[j]));
-  reinterpret_cast<Pack<T>*>(out)[i] = o;
+    for (int u = 0; u < kRowsInFlight; ++u)
+      if (i0 + u * stride < packs) x[u] = load_pack(a, i0 + u * stride), y[u] = load_pack(b, i0 + u * stride);
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      if (i0 + u * stride >= packs) break;
+      Pack<T> o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) o.v[j] = from_float<T>(to_float(x[u].v[j]) + to_float(y[u].v[j]));
+      store_pack(out, i0 + u * stride, o);
+    }
+  }
 }
 
 __device__ float load_as_float(const void* p, Storage t, int64_t i) {
@@ -306,14 +392,31 @@ __global__ void sgd_kernel(const SgdTensor* __restrict__ tensors, const Chunk* _
   }
 }
 
-unsigned packs_blocks(size_t packs) { return blocks_for(packs); }
+int sm_count() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    LADDER_CUDA(cudaGetDevice(&device));
+    LADDER_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  return count;
+}
+
+// Blocks for an elementwise pass: one resident wave (each thread loops over many packs, so its per-channel
+// coefficients are read once), fewer where the tensor is small.
+unsigned packs_blocks(size_t packs, int in_flight = kRowsInFlight) {
+  return unsigned(std::min<size_t>(blocks_for((packs + in_flight - 1) / in_flight),
+                                   size_t(sm_count()) * kBlocksPerSm));
+}
 
 }  // namespace
 
 BnGrid BnGrid::for_shape(int64_t rows, int channels) {
-  // About 4 blocks per SM of an H100, and at least 32 rows per thread (fewer partials to combine).
+  // One resident wave (kBlocksPerSm per SM), and at least 8 rows per thread. With at least 32, the small layers had
+  // too few blocks to fill the chip (98-196 for 132 SMs: 11-14% occupancy, Nsight Compute).
   const int64_t rows_per_step = kThreads / (channels / kVec);
-  return {int(std::max<int64_t>(1, std::min<int64_t>(rows / (rows_per_step * 32), 528)))};
+  const int64_t wave = int64_t(sm_count()) * kBlocksPerSm;
+  return {int(std::max<int64_t>(1, std::min<int64_t>(rows / (rows_per_step * 8), wave)))};
 }
 
 void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
@@ -341,14 +444,14 @@ void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* d
   const size_t packs = size_t(rows) * channels / kVec;
   with_type(st, [&](auto t) {
     using T = decltype(t);
-    bn_grad_sums_kernel<T><<<grid.groups, kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(y),
-                                                         static_cast<const T*>(x), relu, rows, channels, save_mean,
-                                                         save_invstd, scratch);
+    bn_grad_sums_kernel<T, kGradRowsInFlight><<<grid.groups, kThreads, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), relu, rows, channels, save_mean,
+        save_invstd, scratch);
     bn_grad_finalize_kernel<<<(channels + 7) / 8, kThreads, 0, stream>>>(scratch, grid.groups, channels, rows, gamma,
-                                                                        save_invstd, dgamma, dbeta, coef);
-    bn_grad_apply_kernel<T><<<packs_blocks(packs), kThreads, 0, stream>>>(
+                                                                        save_mean, save_invstd, dgamma, dbeta, coef);
+    bn_grad_apply_kernel<T, kGradRowsInFlight><<<packs_blocks(packs, kGradRowsInFlight), kThreads, 0, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), static_cast<T*>(dx),
-        static_cast<T*>(dz), relu, packs, channels, save_mean, save_invstd, coef);
+        static_cast<T*>(dz), relu, packs, channels, coef);
   });
   LADDER_CUDA(cudaGetLastError());
 }

@@ -24,6 +24,9 @@ void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, in
                 float eps, float* save_mean, float* save_invstd, float* scale_shift, float* scratch, BnGrid grid,
                 cudaStream_t stream);
 
+// Floats per channel of bn_backward's `coef` (bn_forward's `scale_shift` takes 2).
+constexpr int kBnCoefs = 3;
+
 // Backward from dy (the gradient of y): dy' = dy masked where y <= 0 (with relu); dz = dy' where the forward added z;
 // dgamma = sum(dy' * xhat), dbeta = sum(dy'); dx = gamma * invstd * (dy' - mean(dy') - xhat * mean(dy' * xhat)).
 // dx may be dy (in place).

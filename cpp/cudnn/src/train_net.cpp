@@ -133,7 +133,7 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
   std::vector<int> labels(o_.batch);
   for (int row = 0; row < o_.batch; ++row) labels[row] = int((int64_t(row) * 7919) % classes_);
   labels_ = DeviceBuffer(labels.size() * sizeof(int));
-  LADDER_CUDA(cudaMemcpy(labels_.get(), labels.data(), labels_.bytes(), cudaMemcpyHostToDevice));
+  upload(labels_.get(), labels.data(), labels_.bytes(), stream_);
 
   // The loss: per row, the last step's, the first steps', and how many steps ran.
   loss_ = DeviceBuffer(align_up(sizeof(float)) + align_up(size_t(o_.batch) * sizeof(float)) +
@@ -303,7 +303,7 @@ void ResNet50Train::place_parameters(const ladder::TensorMap& weights) {
   }
   bn_state_ = DeviceBuffer(state.size() * sizeof(float));
   initial_bn_state_ = std::move(state);
-  bn_scratch_ = DeviceBuffer((bn_scratch_floats_ + 3 * size_t(max_channels_)) * sizeof(float));
+  bn_scratch_ = DeviceBuffer((bn_scratch_floats_ + kBnCoefs * size_t(max_channels_)) * sizeof(float));
 
   std::vector<SgdTensor> sgd;
   auto* master = static_cast<float*>(master_.get());
@@ -317,12 +317,13 @@ void ResNet50Train::place_parameters(const ladder::TensorMap& weights) {
 
 void ResNet50Train::reset() {
   LADDER_CUDA(cudaStreamSynchronize(stream_));
-  LADDER_CUDA(cudaMemcpy(master_.get(), initial_master_.data(), master_.bytes(), cudaMemcpyHostToDevice));
+  upload(master_.get(), initial_master_.data(), master_.bytes(), stream_);
   if (!initial_copies_.empty())
-    LADDER_CUDA(cudaMemcpy(copies_.get(), initial_copies_.data(), copies_.bytes(), cudaMemcpyHostToDevice));
-  LADDER_CUDA(cudaMemcpy(bn_state_.get(), initial_bn_state_.data(), bn_state_.bytes(), cudaMemcpyHostToDevice));
-  LADDER_CUDA(cudaMemset(momentum_.get(), 0, momentum_.bytes()));
-  LADDER_CUDA(cudaMemset(count_, 0, sizeof(int)));
+    upload(copies_.get(), initial_copies_.data(), copies_.bytes(), stream_);
+  upload(bn_state_.get(), initial_bn_state_.data(), bn_state_.bytes(), stream_);
+  LADDER_CUDA(cudaMemsetAsync(momentum_.get(), 0, momentum_.bytes(), stream_));
+  LADDER_CUDA(cudaMemsetAsync(count_, 0, sizeof(int), stream_));
+  LADDER_CUDA(cudaStreamSynchronize(stream_));
 }
 
 // Each convolution pass planned (tuned, or from the engine tables) on its real buffers; the classifier's three
@@ -477,7 +478,7 @@ void ResNet50Train::upload_input(const ladder::HostTensor& x) {
   if (x.shape != std::vector<int64_t>{o_.batch, 3, o_.res, o_.res})
     throw std::runtime_error("input has shape " + shape_str(x.shape) + ", expected [batch, 3, res, res]");
   DeviceBuffer staging(x.data.size() * sizeof(float));
-  LADDER_CUDA(cudaMemcpy(staging.get(), x.data.data(), staging.bytes(), cudaMemcpyHostToDevice));
+  upload(staging.get(), x.data.data(), staging.bytes(), stream_);
   nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), o_.precision.storage, o_.batch, 3, o_.res,
                o_.res, c_in_, stream_);
   LADDER_CUDA(cudaStreamSynchronize(stream_));  // before the staging buffer goes
@@ -489,7 +490,7 @@ void ResNet50Train::set_batch(const ladder::HostTensor& x, const std::vector<int
     if (label < 0 || label >= classes_) throw std::runtime_error("label " + std::to_string(label) + " out of range");
   LADDER_CUDA(cudaStreamSynchronize(stream_));  // the last step has read the buffers
   upload_input(x);
-  LADDER_CUDA(cudaMemcpy(labels_.get(), labels.data(), labels_.bytes(), cudaMemcpyHostToDevice));
+  upload(labels_.get(), labels.data(), labels_.bytes(), stream_);
 }
 
 ladder::TensorMap ResNet50Train::state() const {
