@@ -52,7 +52,8 @@ __device__ void store_pack(T* base, size_t pack, const Pack<T>& v) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __restrict__ partial) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __restrict__ partial) {
   const RowTiling tile(channels);
   const int lane = threadIdx.x % tile.lanes, sub = threadIdx.x / tile.lanes;
   const int64_t step = int64_t(gridDim.x) * tile.rows;
@@ -120,6 +121,11 @@ __global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups
   scale_shift[channels + c] = float(beta[c] - mean * scale);
 }
 
+// BatchNorm's affine map, one fused multiply-add. The forward's y = relu(affine(x) [+ z]) and the backward's ReLU
+// mask recomputed from x (where no residual was added) both use it, so that affine(x) > 0 in the backward exactly
+// where y > 0 in the forward. (In 16 bits, y also rounds to 0 where 0 < affine(x) < 2^-133: no real activation.)
+__device__ __forceinline__ float bn_affine(float x, float scale, float shift) { return __fmaf_rn(x, scale, shift); }
+
 // The elementwise passes: a grid-stride loop in which a thread's 8 channels never change (8 * kThreads and the
 // stride are multiples of every channel count), so each thread reads its per-channel coefficients once, into
 // registers. Reading them from memory for every pack made these passes L1-bound (Nsight Compute, H100: the small
@@ -134,7 +140,8 @@ struct ChannelStride {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_apply_kernel(const T* __restrict__ x, const T* __restrict__ z, T* __restrict__ y, bool relu,
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+bn_apply_kernel(const T* __restrict__ x, const T* __restrict__ z, T* __restrict__ y, bool relu,
                                 size_t packs, int channels, const float* __restrict__ scale_shift) {
   const ChannelStride at(channels);
   float scale[kVec], shift[kVec];
@@ -157,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_apply_kernel(const 
       Pack<T> out;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        float v = to_float(in[u].v[j]) * scale[j] + shift[j];
+        float v = bn_affine(to_float(in[u].v[j]), scale[j], shift[j]);
         if (z) v += to_float(add[u].v[j]);
         out.v[j] = from_float<T>(relu ? fmaxf(v, 0.f) : v);
       }
@@ -166,16 +173,38 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_apply_kernel(const 
   }
 }
 
+// ReLU's mask in the backward: from the forward's output y where it is given (a residual was added before the ReLU),
+// else from affine(x) where the forward's scale and shift are given (`affine`: no y to read), else none.
+template <typename T>
+struct ReluMask {
+  const T* y;
+  const float* affine;
+  float scale[kVec], shift[kVec];
+  __device__ ReluMask(const T* y_, const float* affine_, int channels, int c0) : y(y_), affine(affine_) {
+    if (!affine) return;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) scale[j] = affine[c0 + j], shift[j] = affine[channels + c0 + j];
+  }
+  // dy where the forward's ReLU passed it, else 0 (PyTorch's threshold_backward); `out` holds y's pack if y is given.
+  __device__ float operator()(float dy, const Pack<T>& out, const Pack<T>& in, int j) const {
+    if (y) return to_float(out.v[j]) <= 0.f ? 0.f : dy;
+    if (affine) return bn_affine(to_float(in.v[j]), scale[j], shift[j]) <= 0.f ? 0.f : dy;
+    return dy;
+  }
+};
+
 template <typename T, int InFlight>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
-                                    bool relu, int64_t rows, int channels, const float* __restrict__ save_mean,
-                                    const float* __restrict__ save_invstd, float* __restrict__ partial) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+bn_grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ y, const T* __restrict__ x,
+                    const float* __restrict__ affine, int64_t rows, int channels, const float* __restrict__ save_mean,
+                    float* __restrict__ partial) {
   const RowTiling tile(channels);
   const int lane = threadIdx.x % tile.lanes, sub = threadIdx.x / tile.lanes;
   const int64_t step = int64_t(gridDim.x) * tile.rows;
-  float mean[kVec], invstd[kVec], sum[kVec] = {}, dot[kVec] = {};
+  const ReluMask<T> mask(y, affine, channels, lane * kVec);
+  float mean[kVec], sum[kVec] = {}, dot[kVec] = {};  // dot: sum(dy' * (x - mean)); 1/std applied in the finalize
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) mean[j] = save_mean[lane * kVec + j], invstd[j] = save_invstd[lane * kVec + j];
+  for (int j = 0; j < kVec; ++j) mean[j] = save_mean[lane * kVec + j];
   for (int64_t r0 = int64_t(blockIdx.x) * tile.rows + sub; r0 < rows; r0 += InFlight * step) {
     Pack<T> g[InFlight], in[InFlight], out[InFlight];
 #pragma unroll
@@ -184,16 +213,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_sums_kernel(co
       const size_t at = size_t(r0 + u * step) * tile.lanes + lane;
       g[u] = load_pack(dy, at);
       in[u] = load_pack(x, at);
-      if (relu) out[u] = load_pack(y, at);
+      if (y) out[u] = load_pack(y, at);
     }
 #pragma unroll
     for (int u = 0; u < InFlight; ++u) {
       if (r0 + u * step >= rows) break;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float d = relu && to_float(out[u].v[j]) <= 0.f ? 0.f : to_float(g[u].v[j]);  // ReLU's, from its output
+        const float d = mask(to_float(g[u].v[j]), out[u], in[u], j);
         sum[j] += d;
-        dot[j] += d * (to_float(in[u].v[j]) - mean[j]) * invstd[j];
+        dot[j] += d * (to_float(in[u].v[j]) - mean[j]);
       }
     }
   }
@@ -229,6 +258,7 @@ __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int g
     dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
   if (lane != 0) return;
+  dot *= save_invstd[c];  // sum(dy' * xhat)
   dbeta[c] = float(sum);
   dgamma[c] = float(dot);
   const double a = double(gamma[c]) * save_invstd[c], b = -a * save_invstd[c] * (dot / rows);
@@ -238,9 +268,11 @@ __global__ void bn_grad_finalize_kernel(const float* __restrict__ partial, int g
 }
 
 template <typename T, int InFlight>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz,
-                                     bool relu, size_t packs, int channels, const float* __restrict__ coef) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+bn_grad_apply_kernel(const T* dy, const T* __restrict__ y, const T* __restrict__ x, T* dx, T* dz,
+                     const float* __restrict__ affine, size_t packs, int channels, const float* __restrict__ coef) {
   const ChannelStride at(channels);
+  const ReluMask<T> mask(y, affine, channels, at.c0);
   float a[kVec], b[kVec], c[kVec];
 #pragma unroll
   for (int j = 0; j < kVec; ++j)
@@ -253,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_apply_kernel(c
       if (i >= packs) continue;
       g[u] = load_pack(dy, i);
       in[u] = load_pack(x, i);
-      if (relu) out[u] = load_pack(y, i);
+      if (y) out[u] = load_pack(y, i);
     }
 #pragma unroll
     for (int u = 0; u < InFlight; ++u) {
@@ -262,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) bn_grad_apply_kernel(c
       Pack<T> masked, grad;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float d = relu && to_float(out[u].v[j]) <= 0.f ? 0.f : to_float(g[u].v[j]);
+        const float d = mask(to_float(g[u].v[j]), out[u], in[u], j);
         masked.v[j] = from_float<T>(d);
         grad.v[j] = from_float<T>(a[j] * d + b[j] * to_float(in[u].v[j]) + c[j]);
       }
@@ -337,7 +369,8 @@ __global__ void column_sum_kernel(const T* __restrict__ dy, T* __restrict__ db, 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) add_kernel(const T* a, const T* __restrict__ b, T* out, size_t packs) {  // out may be a
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+add_kernel(const T* a, const T* __restrict__ b, T* out, size_t packs) {  // out may be a
   const size_t first = blockIdx.x * size_t(blockDim.x) + threadIdx.x, stride = size_t(gridDim.x) * blockDim.x;
   for (size_t i0 = first; i0 < packs; i0 += kRowsInFlight * stride) {
     Pack<T> x[kRowsInFlight], y[kRowsInFlight];
@@ -438,20 +471,20 @@ void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, in
   LADDER_CUDA(cudaGetLastError());
 }
 
-void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* dz, bool relu, Storage st,
+void bn_backward(const void* dy, const void* y, const float* affine, const void* x, void* dx, void* dz, Storage st,
                  int64_t rows, int channels, const float* gamma, const float* save_mean, const float* save_invstd,
                  float* dgamma, float* dbeta, float* coef, float* scratch, BnGrid grid, cudaStream_t stream) {
   const size_t packs = size_t(rows) * channels / kVec;
   with_type(st, [&](auto t) {
     using T = decltype(t);
     bn_grad_sums_kernel<T, kGradRowsInFlight><<<grid.groups, kThreads, 0, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), relu, rows, channels, save_mean,
-        save_invstd, scratch);
+        static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), affine, rows, channels,
+        save_mean, scratch);
     bn_grad_finalize_kernel<<<(channels + 7) / 8, kThreads, 0, stream>>>(scratch, grid.groups, channels, rows, gamma,
                                                                         save_mean, save_invstd, dgamma, dbeta, coef);
     bn_grad_apply_kernel<T, kGradRowsInFlight><<<packs_blocks(packs, kGradRowsInFlight), kThreads, 0, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<const T*>(x), static_cast<T*>(dx),
-        static_cast<T*>(dz), relu, packs, channels, coef);
+        static_cast<T*>(dz), affine, packs, channels, coef);
   });
   LADDER_CUDA(cudaGetLastError());
 }

@@ -24,13 +24,14 @@ void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, in
                 float eps, float* save_mean, float* save_invstd, float* scale_shift, float* scratch, BnGrid grid,
                 cudaStream_t stream);
 
-// Floats per channel of bn_backward's `coef` (bn_forward's `scale_shift` takes 2).
+// Floats per channel of bn_backward's `coef` (bn_forward's `scale_shift`, the backward's `affine`, takes 2).
 constexpr int kBnCoefs = 3;
 
-// Backward from dy (the gradient of y): dy' = dy masked where y <= 0 (with relu); dz = dy' where the forward added z;
-// dgamma = sum(dy' * xhat), dbeta = sum(dy'); dx = gamma * invstd * (dy' - mean(dy') - xhat * mean(dy' * xhat)).
-// dx may be dy (in place).
-void bn_backward(const void* dy, const void* y, const void* x, void* dx, void* dz, bool relu, Storage st,
+// Backward from dy (the gradient of y): dy' = dy masked by the forward's ReLU, read from y where y is given (the
+// forward added z before the ReLU), else recomputed from x with the forward's `affine` scale and shift where that is
+// given (y need not be read), else no ReLU; dz = dy' where the forward added z; dgamma = sum(dy' * xhat),
+// dbeta = sum(dy'); dx = gamma * invstd * (dy' - mean(dy') - xhat * mean(dy' * xhat)). dx may be dy (in place).
+void bn_backward(const void* dy, const void* y, const float* affine, const void* x, void* dx, void* dz, Storage st,
                  int64_t rows, int channels, const float* gamma, const float* save_mean, const float* save_invstd,
                  float* dgamma, float* dbeta, float* coef, float* scratch, BnGrid grid, cudaStream_t stream);
 

@@ -42,6 +42,10 @@ struct ResNet50Train::ConvUnit {
   std::unique_ptr<ConvLayer> fprop, dgrad, wgrad;
 };
 
+// Floats per channel of a BatchNorm in bn_state_: running mean and variance, the saved mean and 1/std, and the
+// forward's scale and shift (from which the backward recomputes the ReLU's mask where no residual was added).
+constexpr int kBnStateFloats = 6;
+
 struct ResNet50Train::BnUnit {
   std::string name;
   int channels, x, y, z;  // z: the residual added before the ReLU, or -1
@@ -197,7 +201,7 @@ int ResNet50Train::conv(const std::string& name, int x, int k, int r, int stride
 int ResNet50Train::bn(const std::string& name, int x, bool relu, int z) {
   const Tensor a = tensors_[x];
   const int y = tensor(a.c, a.h, a.w);
-  const size_t state = bns_.empty() ? 0 : bns_.back().state + 4 * size_t(bns_.back().channels);
+  const size_t state = bns_.empty() ? 0 : bns_.back().state + kBnStateFloats * size_t(bns_.back().channels);
   bns_.push_back({name, a.c, x, y, z, relu, param(name + ".weight", {a.c}, false), param(name + ".bias", {a.c}, false),
                   state});
   std::vector<int> reads = {x};
@@ -233,7 +237,7 @@ int ResNet50Train::bn_backward(int unit, int dy) {
   u.dy = dy;
   u.dx = tensor(a.c, a.h, a.w);
   std::vector<int> reads = {dy, u.x}, writes = {u.dx};
-  if (u.relu) reads.push_back(u.y);
+  if (u.relu && u.z >= 0) reads.push_back(u.y);  // without a residual the mask comes from x (bn_backward)
   if (u.z >= 0) writes.push_back(u.dz = tensor(a.c, a.h, a.w));
   steps_.push_back({Kind::BnBackward, unit, reads, writes, {{u.dx, dy}}});
   return u.dx;
@@ -290,7 +294,7 @@ void ResNet50Train::place_parameters(const ladder::TensorMap& weights) {
   }
   initial_master_ = std::move(host);
   const BnUnit& tail = bns_.back();
-  std::vector<float> state(tail.state + 4 * tail.channels, 0.f);
+  std::vector<float> state(tail.state + kBnStateFloats * tail.channels, 0.f);
   for (const BnUnit& b : bns_) {
     const std::vector<int64_t> shape = {b.channels};
     const auto& mean = weight(weights, b.name + ".running_mean", shape).data;
@@ -417,15 +421,17 @@ void ResNet50Train::run(const Step& s) const {
       if (s.kind == Kind::BnForward) {
         bn_forward(a.ptr, ptr(b.z), ptr(b.y), b.relu, p.storage, rows, b.channels, gamma,
                    master + params_[b.beta].master, state, state + b.channels, kBnMomentum, float(kBnEps),
-                   state + 2 * b.channels, state + 3 * b.channels, scratch + bn_scratch_floats_, scratch, grid,
-                   stream_);
+                   state + 2 * b.channels, state + 3 * b.channels, state + 4 * b.channels, scratch, grid, stream_);
       } else {
         auto* grads = static_cast<char*>(grads_.get());
-        rung::bn_backward(ptr(b.dy), b.relu ? ptr(b.y) : nullptr, a.ptr, ptr(b.dx), ptr(b.dz), b.relu, p.storage, rows,
-                    b.channels, gamma, state + 2 * b.channels, state + 3 * b.channels,
-                    reinterpret_cast<float*>(grads + params_[b.gamma].grad),
-                    reinterpret_cast<float*>(grads + params_[b.beta].grad), scratch + bn_scratch_floats_, scratch,
-                    grid, stream_);
+        // The ReLU's mask from y where a residual was added before it, else from x and the forward's scale and shift.
+        const bool mask_from_y = b.relu && b.z >= 0;
+        const float* affine = b.relu && !mask_from_y ? state + 4 * b.channels : nullptr;
+        rung::bn_backward(ptr(b.dy), mask_from_y ? ptr(b.y) : nullptr, affine, a.ptr, ptr(b.dx), ptr(b.dz), p.storage,
+                          rows, b.channels, gamma, state + 2 * b.channels, state + 3 * b.channels,
+                          reinterpret_cast<float*>(grads + params_[b.gamma].grad),
+                          reinterpret_cast<float*>(grads + params_[b.beta].grad), scratch + bn_scratch_floats_,
+                          scratch, grid, stream_);
       }
       break;
     }
