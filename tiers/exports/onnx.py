@@ -82,6 +82,8 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, cell: Cell, workd
             for p in sorted(Path(tmp).iterdir(), key=lambda p: p.name == path.name):
                 os.replace(p, path.parent / p.name)
         facts["onnx_export_s"] = time.perf_counter() - t
+    if cell.dtype == "fp16":
+        facts["fp16_graph"] = "the fp16 model exported"
     return path, {**facts, "onnx_bytes": sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))}
 
 
