@@ -7,7 +7,7 @@ in training mode, the loss and SGD by our kernels, the classifier's gradients by
 weights, as autocast) or fp32/tf32; the whole step one CUDA graph under --cuda-graph.
 
 The binary also takes `--option autotune=K` (engine configurations timed per distinct convolution, default 8) and
-`--option workspace-mb=M` (the most workspace one candidate may use, default 512; 2048 for training)."""
+`--option workspace-mb=M` (the most workspace one candidate may use, default 2048)."""
 from __future__ import annotations
 
 import functools
