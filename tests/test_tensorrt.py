@@ -82,7 +82,8 @@ def test_fp16_graph_runs_in_onnxruntime_within_the_fp16_tolerance(resnet18, tmp_
     floats = {i.data_type for i in graph.initializer} - {onnx.TensorProto.INT64}
     assert floats == {onnx.TensorProto.FLOAT16}
     assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
-    assert ("fp16_graph" in facts) == (fp16_graph == "converter")
+    assert facts["fp16_graph"] == {"converter": "onnxconverter-common float16 of the fp32 export",
+                                   "export": "the fp16 model exported"}[fp16_graph]
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     run = lambda inp: torch.from_numpy(  # noqa: E731
         session.run(None, {"input": inp.half().permute(0, 2, 3, 1).contiguous().numpy()})[0]).float()
