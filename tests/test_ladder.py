@@ -100,7 +100,10 @@ def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
 def test_ctrl_c_keeps_every_finished_cell(tmp_path):
     argv, env = ladder_command(tmp_path, "--tiers", "eager,test-hangs", "--batch", "1", "--res", "32",
                                extra_tiers=True)
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's SIGINT at its default, as in a terminal's foreground job: a shell starts a background job with SIGINT
+    # ignored, and Python (and so the ladder) keeps it ignored (CI run as `.ci/run &` failed here)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     results, deadline = tmp_path / "results.jsonl", time.time() + 600
     while not (results.exists() and results.read_text().strip()) and time.time() < deadline:
         time.sleep(0.2)
