@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "kernels.h"
+#include "train_kernels.h"
 
 namespace rung {
 namespace {
@@ -16,7 +17,7 @@ void check(cudnnStatus_t s, const std::string& what) {
 }
 
 // Unique ids of the graph's tensors; the variant pack maps the real ones to device pointers.
-enum Uid : int64_t { kX = 1, kW, kBias, kZ, kY, kVirtual = 100 };
+enum Uid : int64_t { kX = 1, kW, kBias, kZ, kY, kSum, kSqSum, kVirtual = 100 };
 
 // dims are [N, C, H, W] (filters [K, C, R, S]); NHWC keeps C innermost.
 std::vector<int64_t> strides_for(const std::vector<int64_t>& d, bool nhwc) {
@@ -49,6 +50,20 @@ Desc pointwise(cudnnPointwiseMode_t mode, const Desc& x, const Desc* b, const De
   if (b) op.set(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
   op.set(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y).finalize();
   keep.push_back(std::move(pw));
+  return op;
+}
+
+// BatchNorm's statistics of y, per channel: sum and sum of squares in fp32 (cuDNN's genstats).
+Desc genstats(const Desc& y, const Desc& sum, const Desc& sqsum) {
+  cudnnGenStatsMode_t mode = CUDNN_GENSTATS_SUM_SQSUM;
+  cudnnDataType_t math = CUDNN_DATA_FLOAT;
+  Desc op(CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR);
+  op.set(CUDNN_ATTR_OPERATION_GENSTATS_MODE, CUDNN_TYPE_GENSTATS_MODE, 1, &mode)
+      .set(CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &math)
+      .set(CUDNN_ATTR_OPERATION_GENSTATS_XDESC, y)
+      .set(CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC, sum)
+      .set(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC, sqsum)
+      .finalize();
   return op;
 }
 
@@ -124,7 +139,8 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
   // The chain after the convolution: each step reads the previous result; the last one writes y.
   struct Step { cudnnPointwiseMode_t mode; int64_t operand; };
   std::vector<Step> steps;
-  if (fused) {
+  const bool stats = fused && spec.epilogue == Epilogue::Stats;  // y itself is written; genstats reads it
+  if (fused && !stats) {
     steps.push_back({CUDNN_POINTWISE_ADD, kBias});
     if (residual(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_ADD, kZ});
     if (relu(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_RELU_FWD, 0});
@@ -133,7 +149,7 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
   // fp32 intermediates between the fused nodes: one rounding to the storage type, at the end.
   for (size_t i = 0; i < steps.size(); ++i)
     keep.push_back(tensor(kVirtual + int64_t(i), out_dims, spec.nhwc, CUDNN_DATA_FLOAT, true));
-  if (fused) keep.push_back(tensor(kBias, {1, s.k, 1, 1}, spec.nhwc, data, false));
+  if (fused && !stats) keep.push_back(tensor(kBias, {1, s.k, 1, 1}, spec.nhwc, data, false));
   if (fused && residual(spec.epilogue)) keep.push_back(tensor(kZ, out_dims, spec.nhwc, data, false));
   auto find = [&](int64_t uid) -> const Desc& {
     if (uid == kBias) return keep[3 + steps.size()];
@@ -149,6 +165,11 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
     const Desc& out = i + 1 == steps.size() ? y : find(kVirtual + int64_t(i) + 1);
     const Desc* operand = steps[i].operand ? &find(steps[i].operand) : nullptr;
     ops.push_back(pointwise(steps[i].mode, in, operand, out, keep));
+  }
+  if (stats) {
+    keep.push_back(tensor(kSum, {1, s.k, 1, 1}, spec.nhwc, CUDNN_DATA_FLOAT, false));
+    keep.push_back(tensor(kSqSum, {1, s.k, 1, 1}, spec.nhwc, CUDNN_DATA_FLOAT, false));
+    ops.push_back(genstats(y, keep[keep.size() - 2], keep.back()));
   }
 
   Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
@@ -225,11 +246,22 @@ bool allowed(const EngineInfo& e, const Precision& p) {
   return !(p.storage == Storage::F32 && !p.tf32 && e.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE));
 }
 
-// The epilogue by our kernel, in place on y, for a convolution run alone.
-void epilogue_kernel(const ConvSpec& spec, const ConvIO& io, cudaStream_t stream) {
-  if (spec.epilogue == Epilogue::None) return;
+// Before the graph: genstats' sums zeroed (whether an engine accumulates into them or overwrites them is not
+// documented).
+void before_graph(const ConvSpec& spec, bool fused, const ConvIO& io, cudaStream_t stream) {
+  if (fused && spec.epilogue == Epilogue::Stats)
+    LADDER_CUDA(cudaMemsetAsync(io.stats, 0, 2 * sizeof(float) * spec.shape.k, stream));
+}
+
+// After a convolution run alone, the epilogue by our kernel: in place on y, or the statistics of y.
+void after_graph(const ConvSpec& spec, bool fused, const ConvIO& io, cudaStream_t stream) {
+  if (fused || spec.epilogue == Epilogue::None) return;
   const ConvShape& s = spec.shape;
-  size_t plane = size_t(s.p()) * s.q();
+  const size_t plane = size_t(s.p()) * s.q();
+  if (spec.epilogue == Epilogue::Stats) {
+    bn_statistics(io.y, spec.precision->storage, int64_t(s.n) * plane, s.k, io.stats, stream);
+    return;
+  }
   bias_add_relu(io.y, io.bias, residual(spec.epilogue) ? io.z : nullptr, relu(spec.epilogue),
                 spec.precision->storage, size_t(s.n) * s.k * plane, s.k, spec.nhwc ? 1 : plane, stream);
 }
@@ -237,7 +269,10 @@ void epilogue_kernel(const ConvSpec& spec, const ConvIO& io, cudaStream_t stream
 Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* workspace) {
   std::vector<int64_t> uids = {kX, kW, kY};
   std::vector<void*> ptrs = {const_cast<void*>(io.x), const_cast<void*>(io.w), io.y};
-  if (fused) {
+  if (fused && spec.epilogue == Epilogue::Stats) {
+    uids.insert(uids.end(), {kSum, kSqSum});
+    ptrs.insert(ptrs.end(), {io.stats, io.stats + spec.shape.k});
+  } else if (fused) {
     uids.push_back(kBias);
     ptrs.push_back(const_cast<void*>(io.bias));
     if (residual(spec.epilogue)) {
@@ -307,8 +342,9 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       Desc pack = variant_pack(spec, fused, io, ws.ensure(size_t(need)));
       if (cudnnBackendExecute(handle, plan->get(), pack.get()) != CUDNN_STATUS_SUCCESS) continue;
       auto call = [&] {
+        before_graph(spec, fused, io, stream);
         CUDNN_CHECK(cudnnBackendExecute(handle, plan->get(), pack.get()));
-        if (!fused) epilogue_kernel(spec, io, stream);
+        after_graph(spec, fused, io, stream);
       };
       // One call first: an engine already 2x slower than the best is not timed further (strict fp32 lists engines
       // that take 100 ms a call; timing each five times made the build minutes long).
@@ -437,6 +473,7 @@ const char* epilogue_name(Epilogue e) {
     case Epilogue::Bias: return "bias";
     case Epilogue::BiasRelu: return "bias+relu";
     case Epilogue::BiasAddRelu: return "bias+add+relu";
+    case Epilogue::Stats: return "stats";
   }
   return "?";
 }
@@ -483,7 +520,11 @@ std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, 
   // (strict fp32 has few fusing engines), and some graphs have no fusing engine at all.
   std::shared_ptr<ConvPlan> fused, alone;
   std::string why = "no epilogue";
-  if (spec.epilogue != Epilogue::None) {
+  if (spec.epilogue == Epilogue::Stats && spec.precision->storage == Storage::F32) {
+    // fp32 is held to eager fp32 within fp32's own precision: genstats' sum of squares in fp32 loses a channel's
+    // variance where its mean is large against its spread, where per-thread Welford does not.
+    why = "fp32 keeps our Welford statistics";
+  } else if (spec.epilogue != Epilogue::None) {
     try {
       fused = tune_graph(handle, spec, true, io, ws, candidates, stream);
     } catch (const std::exception& e) {
@@ -539,8 +580,9 @@ void ConvLayer::bind(void* workspace) {
 }
 
 void ConvLayer::run(cudnnHandle_t handle, cudaStream_t stream) const {
+  before_graph(spec_, plan_->fused, io_, stream);
   CUDNN_CHECK(cudnnBackendExecute(handle, plan_->plan->get(), pack_->get()));
-  if (!plan_->fused) epilogue_kernel(spec_, io_, stream);
+  after_graph(spec_, plan_->fused, io_, stream);
 }
 
 }  // namespace rung

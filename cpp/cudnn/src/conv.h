@@ -1,9 +1,9 @@
 // A convolution with its epilogue as one cuDNN graph (backend API):
-//   conv -> + bias [-> + residual] [-> relu],
+//   conv -> + bias [-> + residual] [-> relu],  or  conv -> y, genstats(y) (training: BatchNorm's statistics),
 // with fp32 virtual intermediates, run by the engine configuration that measured fastest among cuDNN's heuristic
-// candidates; or the convolution alone followed by bias_add_relu(), where that measured faster or nothing fuses.
-// Training uses the same machinery for the convolution alone in each of its three passes (forward, data gradient,
-// weight gradient).
+// candidates; or the convolution alone followed by our kernel (bias_add_relu(), bn_statistics()), where that
+// measured faster or nothing fuses. Training uses the same machinery in each of the convolution's three passes
+// (forward, data gradient, weight gradient).
 #pragma once
 #include <map>
 #include <memory>
@@ -36,8 +36,9 @@ class Desc {
   cudnnBackendDescriptor_t d_ = nullptr;
 };
 
-// Inference: projection skip, inner convs, block output. Training: None (BatchNorm in training mode follows).
-enum class Epilogue { None, Bias, BiasRelu, BiasAddRelu };
+// Inference: projection skip, inner convs, block output. Training's forward: Stats, y and its per-channel statistics
+// for the BatchNorm in training mode that follows; its backward passes: None.
+enum class Epilogue { None, Bias, BiasRelu, BiasAddRelu, Stats };
 const char* epilogue_name(Epilogue e);
 
 // Which of the convolution's three computations the graph is: y = conv(x, w), dx = dgrad(dy, w), dw = wgrad(x, dy).
@@ -61,6 +62,9 @@ struct ConvIO {
   const void* bias;  // [k], BN folded in; only with a bias epilogue
   const void* z;     // residual, same shape as y; only for Epilogue::BiasAddRelu
   void* y;
+  // Epilogue::Stats: fused, cuDNN's per-channel sum then sum of squares of y ([2][k] fp32); unfused,
+  // bn_statistics()'s partial sums (train_kernels.h)
+  float* stats = nullptr;
 };
 
 // The tuned, pointer-free part: shared by every layer of the same shape and epilogue.

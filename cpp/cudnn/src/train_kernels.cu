@@ -96,6 +96,22 @@ bn_stats_kernel(const T* __restrict__ x, int64_t rows, int channels, float* __re
   }
 }
 
+// One channel's batch statistics, (count, mean, M2) in fp64, to what the forward and backward use: the saved mean
+// and 1/std (normalised with the biased variance), the running statistics updated as PyTorch does (with the unbiased
+// variance, `momentum`), and the apply's scale and shift.
+__device__ void finalize_channel(int c, int channels, double n, double mean, double m2, const float* gamma,
+                                 const float* beta, float* running_mean, float* running_var, float momentum,
+                                 float eps, float* save_mean, float* save_invstd, float* scale_shift) {
+  const double invstd = 1.0 / sqrt(m2 / n + eps);
+  save_mean[c] = float(mean);
+  save_invstd[c] = float(invstd);
+  running_mean[c] = float((1 - momentum) * running_mean[c] + momentum * mean);
+  running_var[c] = float((1 - momentum) * running_var[c] + momentum * m2 / (n - 1));
+  const double scale = gamma[c] * invstd;
+  scale_shift[c] = float(scale);
+  scale_shift[channels + c] = float(beta[c] - mean * scale);
+}
+
 __global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups, int channels, const float* gamma,
                                    const float* beta, float* running_mean, float* running_var, float momentum,
                                    float eps, float* save_mean, float* save_invstd, float* scale_shift) {
@@ -111,14 +127,21 @@ __global__ void bn_finalize_kernel(const float* __restrict__ partial, int groups
     combine(n, mean, m2, __shfl_xor_sync(0xffffffffu, n, o), __shfl_xor_sync(0xffffffffu, mean, o),
             __shfl_xor_sync(0xffffffffu, m2, o));
   if (lane != 0) return;
-  const double invstd = 1.0 / sqrt(m2 / n + eps);  // normalised with the biased variance
-  save_mean[c] = float(mean);
-  save_invstd[c] = float(invstd);
-  running_mean[c] = float((1 - momentum) * running_mean[c] + momentum * mean);
-  running_var[c] = float((1 - momentum) * running_var[c] + momentum * m2 / (n - 1));  // the unbiased one
-  const double scale = gamma[c] * invstd;
-  scale_shift[c] = float(scale);
-  scale_shift[channels + c] = float(beta[c] - mean * scale);
+  finalize_channel(c, channels, n, mean, m2, gamma, beta, running_mean, running_var, momentum, eps, save_mean,
+                   save_invstd, scale_shift);
+}
+
+// From cuDNN's genstats (the convolution's epilogue): each channel's sum and sum of squares, fp32.
+__global__ void bn_finalize_sums_kernel(const float* __restrict__ sums, int64_t rows, int channels,
+                                        const float* gamma, const float* beta, float* running_mean, float* running_var,
+                                        float momentum, float eps, float* save_mean, float* save_invstd,
+                                        float* scale_shift) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const double n = double(rows), mean = sums[c] / n;
+  const double m2 = fmax(double(sums[channels + c]) - mean * sums[c], 0.0);  // sum((x - mean)^2)
+  finalize_channel(c, channels, n, mean, m2, gamma, beta, running_mean, running_var, momentum, eps, save_mean,
+                   save_invstd, scale_shift);
 }
 
 // BatchNorm's affine map, one fused multiply-add. The forward's y = relu(affine(x) [+ z]) and the backward's ReLU
@@ -452,19 +475,37 @@ BnGrid BnGrid::for_shape(int64_t rows, int channels) {
   return {int(std::max<int64_t>(1, std::min<int64_t>(rows / (rows_per_step * 8), wave)))};
 }
 
-void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
-                const float* gamma, const float* beta, float* running_mean, float* running_var, float momentum,
-                float eps, float* save_mean, float* save_invstd, float* scale_shift, float* scratch, BnGrid grid,
-                cudaStream_t stream) {
+static void check_bn_channels(int channels) {
   if (channels % kVec || kThreads % (channels / kVec))
     throw std::runtime_error("BatchNorm kernels need 8 x a divisor of " + std::to_string(kThreads) + " channels");
-  const size_t packs = size_t(rows) * channels / kVec;
+}
+
+void bn_statistics(const void* x, Storage st, int64_t rows, int channels, float* partial, cudaStream_t stream) {
+  check_bn_channels(channels);
   with_type(st, [&](auto t) {
     using T = decltype(t);
-    bn_stats_kernel<T><<<grid.groups, kThreads, 0, stream>>>(static_cast<const T*>(x), rows, channels, scratch);
-    bn_finalize_kernel<<<(channels + 7) / 8, kThreads, 0, stream>>>(scratch, grid.groups, channels, gamma, beta,
-                                                                   running_mean, running_var, momentum, eps,
-                                                                   save_mean, save_invstd, scale_shift);
+    bn_stats_kernel<T><<<BnGrid::for_shape(rows, channels).groups, kThreads, 0, stream>>>(
+        static_cast<const T*>(x), rows, channels, partial);
+  });
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
+                const float* stats, bool sums, const float* gamma, const float* beta, float* running_mean,
+                float* running_var, float momentum, float eps, float* save_mean, float* save_invstd,
+                float* scale_shift, cudaStream_t stream) {
+  check_bn_channels(channels);
+  const size_t packs = size_t(rows) * channels / kVec;
+  if (sums)
+    bn_finalize_sums_kernel<<<blocks_for(channels), kThreads, 0, stream>>>(
+        stats, rows, channels, gamma, beta, running_mean, running_var, momentum, eps, save_mean, save_invstd,
+        scale_shift);
+  else
+    bn_finalize_kernel<<<(channels + 7) / 8, kThreads, 0, stream>>>(
+        stats, BnGrid::for_shape(rows, channels).groups, channels, gamma, beta, running_mean, running_var, momentum,
+        eps, save_mean, save_invstd, scale_shift);
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
     bn_apply_kernel<T><<<packs_blocks(packs), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(z), static_cast<T*>(y), relu, packs, channels, scale_shift);
   });

@@ -17,12 +17,18 @@ struct BnGrid {
   size_t scratch_floats(int channels) const { return size_t(groups) * channels * 3; }
 };
 
-// Forward, training mode: batch statistics of x (saved as mean and 1/sqrt(var + eps) for the backward), the running
-// statistics updated as PyTorch does (unbiased variance, `momentum`), then y = [relu](x * scale + shift [+ z]).
+// BatchNorm's batch statistics of x, by our pass (per-thread Welford): its partial sums, BnGrid::for_shape's groups x
+// channels x 3 floats. The convolution before the BatchNorm runs it where cuDNN's genstats does not (conv.h).
+void bn_statistics(const void* x, Storage st, int64_t rows, int channels, float* partial, cudaStream_t stream);
+
+// Forward, training mode, from x's batch statistics `stats`: cuDNN genstats' sum and sum of squares per channel
+// ([2][channels]) where `sums`, else bn_statistics' partials. Saves mean and 1/sqrt(var + eps) for the backward,
+// updates the running statistics as PyTorch does (unbiased variance, `momentum`), then y = [relu](x * scale + shift
+// [+ z]).
 void bn_forward(const void* x, const void* z, void* y, bool relu, Storage st, int64_t rows, int channels,
-                const float* gamma, const float* beta, float* running_mean, float* running_var, float momentum,
-                float eps, float* save_mean, float* save_invstd, float* scale_shift, float* scratch, BnGrid grid,
-                cudaStream_t stream);
+                const float* stats, bool sums, const float* gamma, const float* beta, float* running_mean,
+                float* running_var, float momentum, float eps, float* save_mean, float* save_invstd,
+                float* scale_shift, cudaStream_t stream);
 
 // Floats per channel of bn_backward's `coef` (bn_forward's `scale_shift`, the backward's `affine`, takes 2).
 constexpr int kBnCoefs = 3;

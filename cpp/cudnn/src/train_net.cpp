@@ -1,5 +1,7 @@
 #include "train_net.h"
 
+#include <algorithm>
+
 #include "kernels.h"
 #include "memory_plan.h"
 
@@ -38,8 +40,9 @@ struct ResNet50Train::ConvUnit {
   std::string name;
   ConvShape shape;
   int w, x, y;
+  int stats;  // the forward's statistics of y, for the BatchNorm after it (ConvIO::stats)
   int dx = -1, dy = -1;
-  std::unique_ptr<ConvLayer> fprop, dgrad, wgrad;
+  std::unique_ptr<ConvLayer> fprop = nullptr, dgrad = nullptr, wgrad = nullptr;
 };
 
 // Floats per channel of a BatchNorm in bn_state_: running mean and variance, the saved mean and 1/std, and the
@@ -49,6 +52,7 @@ constexpr int kBnStateFloats = 6;
 struct ResNet50Train::BnUnit {
   std::string name;
   int channels, x, y, z;  // z: the residual added before the ReLU, or -1
+  int conv;               // the convolution whose output x is (it made x's statistics)
   bool relu;
   int gamma, beta;
   size_t state;  // float offset into bn_state_: running mean, running variance, saved mean, saved 1/std
@@ -148,7 +152,8 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
   count_ = reinterpret_cast<int*>(reinterpret_cast<char*>(history_) + align_up(kLossHistory * sizeof(float)));
 
   std::vector<size_t> bytes;
-  for (const Tensor& t : tensors_) bytes.push_back(align_up(size_t(o_.batch) * t.c * t.h * t.w * p.bytes));
+  for (const Tensor& t : tensors_)
+    bytes.push_back(align_up(t.bytes ? t.bytes : size_t(o_.batch) * t.c * t.h * t.w * p.bytes));
   bytes[x0] = 0;  // the input has its own buffer
   std::vector<PlannedStep> planned;
   for (const Step& s : steps_) planned.push_back({s.reads, s.writes, s.in_place});
@@ -177,6 +182,11 @@ int ResNet50Train::tensor(int c, int h, int w) {
   return int(tensors_.size()) - 1;
 }
 
+int ResNet50Train::buffer(size_t bytes) {
+  tensors_.push_back({0, 0, 0, nullptr, bytes});
+  return int(tensors_.size()) - 1;
+}
+
 int ResNet50Train::param(const std::string& name, std::vector<int64_t> shape, bool low_precision_copy,
                          int padded_channels) {
   int64_t n = 1;
@@ -193,8 +203,11 @@ int ResNet50Train::conv(const std::string& name, int x, int k, int r, int stride
   const int true_channels = name == "conv1" ? 3 : a.c;  // the stem's input is zero-padded
   const int w = param(name + ".weight", {k, true_channels, r, r}, o_.precision.storage != Storage::F32, a.c);
   const int y = tensor(k, s.p(), s.q());
-  convs_.push_back({name, s, w, x, y});
-  steps_.push_back({Kind::ConvFprop, int(convs_.size()) - 1, {x}, {y}});
+  // Room for either form of the statistics: bn_statistics' partials, never fewer than genstats' 2 floats a channel.
+  const int64_t rows = int64_t(o_.batch) * s.p() * s.q();
+  const int stats = buffer(BnGrid::for_shape(rows, k).scratch_floats(k) * sizeof(float));
+  convs_.push_back({name, s, w, x, y, stats});
+  steps_.push_back({Kind::ConvFprop, int(convs_.size()) - 1, {x}, {y, stats}});
   return y;
 }
 
@@ -202,9 +215,11 @@ int ResNet50Train::bn(const std::string& name, int x, bool relu, int z) {
   const Tensor a = tensors_[x];
   const int y = tensor(a.c, a.h, a.w);
   const size_t state = bns_.empty() ? 0 : bns_.back().state + kBnStateFloats * size_t(bns_.back().channels);
-  bns_.push_back({name, a.c, x, y, z, relu, param(name + ".weight", {a.c}, false), param(name + ".bias", {a.c}, false),
-                  state});
-  std::vector<int> reads = {x};
+  const auto conv = std::find_if(convs_.begin(), convs_.end(), [&](const ConvUnit& u) { return u.y == x; });
+  if (conv == convs_.end()) throw std::logic_error("BatchNorm " + name + " does not follow a convolution");
+  bns_.push_back({name, a.c, x, y, z, int(conv - convs_.begin()), relu, param(name + ".weight", {a.c}, false),
+                  param(name + ".bias", {a.c}, false), state});
+  std::vector<int> reads = {x, conv->stats};
   if (z >= 0) reads.push_back(z);
   steps_.push_back({Kind::BnForward, int(bns_.size()) - 1, reads, {y}});
   return y;
@@ -346,11 +361,13 @@ void ResNet50Train::build_kernels(ladder::Json& stats) {
     ConvPlanner planner(handle_, o_.engine(), stream_);
     for (ConvUnit& u : convs_) {
       auto make = [&](Pass pass, ConvIO io) {
-        const ConvSpec spec{u.shape, Epilogue::None, &o_.precision, true, pass};
+        const ConvSpec spec{u.shape, pass == Pass::Fprop ? Epilogue::Stats : Epilogue::None, &o_.precision, true,
+                            pass};
         return std::make_unique<ConvLayer>(u.name, spec, io, planner.plan(spec, io));
       };
       const void* w = weights_of(u.w);
-      u.fprop = make(Pass::Fprop, {tensors_[u.x].ptr, w, nullptr, nullptr, tensors_[u.y].ptr});
+      u.fprop = make(Pass::Fprop, {tensors_[u.x].ptr, w, nullptr, nullptr, tensors_[u.y].ptr,
+                                   static_cast<float*>(tensors_[u.stats].ptr)});
       u.wgrad = make(Pass::Wgrad, {tensors_[u.x].ptr, grad_of(u.w), nullptr, nullptr, tensors_[u.dy].ptr});
       if (u.dx >= 0) u.dgrad = make(Pass::Dgrad, {tensors_[u.dx].ptr, w, nullptr, nullptr, tensors_[u.dy].ptr});
     }
@@ -395,8 +412,9 @@ void ResNet50Train::build_kernels(ladder::Json& stats) {
   stats["steps"] = int(steps_.size());
   stats["convs"] = convs;
   stats["fc"] = fc;
-  stats["batchnorm"] = "our kernels: Welford statistics, apply with residual add and ReLU fused; backward fused "
-                       "with ReLU's mask";
+  stats["batchnorm"] = "statistics in the convolution's epilogue (cuDNN genstats) or by our Welford pass after it, "
+                       "whichever the tuner timed faster (fp32: ours); our kernels: finalize, apply with residual "
+                       "add and ReLU fused; backward fused with ReLU's mask";
   stats["optimizer"] = "SGD (momentum 0.9, weight decay 1e-4): one multi-tensor kernel, fp32 master weights";
 }
 
@@ -419,9 +437,11 @@ void ResNet50Train::run(const Step& s) const {
       const float* gamma = master + params_[b.gamma].master;
       const BnGrid grid = BnGrid::for_shape(rows, b.channels);
       if (s.kind == Kind::BnForward) {
-        bn_forward(a.ptr, ptr(b.z), ptr(b.y), b.relu, p.storage, rows, b.channels, gamma,
+        const ConvUnit& conv = convs_[b.conv];
+        bn_forward(a.ptr, ptr(b.z), ptr(b.y), b.relu, p.storage, rows, b.channels,
+                   static_cast<const float*>(ptr(conv.stats)), conv.fprop->plan().fused, gamma,
                    master + params_[b.beta].master, state, state + b.channels, kBnMomentum, float(kBnEps),
-                   state + 2 * b.channels, state + 3 * b.channels, state + 4 * b.channels, scratch, grid, stream_);
+                   state + 2 * b.channels, state + 3 * b.channels, state + 4 * b.channels, stream_);
       } else {
         auto* grads = static_cast<char*>(grads_.get());
         // The ReLU's mask from y where a residual was added before it, else from x and the forward's scale and shift.

@@ -42,6 +42,7 @@ class ResNet50Train : public Network {
   struct Tensor {  // an activation or a gradient of the batch: [batch, h, w, c] in the storage type
     int c, h, w;
     void* ptr = nullptr;
+    size_t bytes = 0;  // nonzero: no activation but a buffer of these bytes (a convolution's statistics of its output)
   };
   struct Param;
   struct ConvUnit;
@@ -57,6 +58,7 @@ class ResNet50Train : public Network {
   };
 
   int tensor(int c, int h, int w);
+  int buffer(size_t bytes);
   int param(const std::string& name, std::vector<int64_t> shape, bool low_precision_copy, int padded_channels = 0);
   int conv(const std::string& name, int x, int k, int r, int stride, int pad);
   int bn(const std::string& name, int x, bool relu, int z = -1);
