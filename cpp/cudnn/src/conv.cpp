@@ -67,7 +67,8 @@ Desc genstats(const Desc& y, const Desc& sum, const Desc& sqsum) {
   return op;
 }
 
-bool residual(Epilogue e) { return e == Epilogue::BiasAddRelu; }
+bool bias(Epilogue e) { return e == Epilogue::Bias || e == Epilogue::BiasRelu || e == Epilogue::BiasAddRelu; }
+bool adds(Epilogue e) { return e == Epilogue::BiasAddRelu || e == Epilogue::Add; }
 bool relu(Epilogue e) { return e == Epilogue::BiasRelu || e == Epilogue::BiasAddRelu; }
 
 // The convolution node of a pass over the forward's tensors x, w and y (the pass writes dx, dw or y): the three
@@ -136,35 +137,41 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
       .set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, std::vector<int64_t>{s.pad, s.pad})
       .finalize();
 
-  // The chain after the convolution: each step reads the previous result; the last one writes y.
+  // The chain after the convolution: each step reads the previous result; the last one writes the pass's output
+  // (y; dx for the data gradient).
   struct Step { cudnnPointwiseMode_t mode; int64_t operand; };
   std::vector<Step> steps;
   const bool stats = fused && spec.epilogue == Epilogue::Stats;  // y itself is written; genstats reads it
-  if (fused && !stats) {
-    steps.push_back({CUDNN_POINTWISE_ADD, kBias});
-    if (residual(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_ADD, kZ});
-    if (relu(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_RELU_FWD, 0});
-  }
-  const std::vector<int64_t> out_dims = {s.n, s.k, s.p(), s.q()};
+  if (fused && bias(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_ADD, kBias});
+  if (fused && adds(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_ADD, kZ});
+  if (fused && relu(spec.epilogue)) steps.push_back({CUDNN_POINTWISE_RELU_FWD, 0});
+  const bool on_x = spec.pass == Pass::Dgrad;
+  const Desc& out = on_x ? x : y;
+  const std::vector<int64_t> out_dims = on_x ? std::vector<int64_t>{s.n, s.c, s.h, s.w}
+                                             : std::vector<int64_t>{s.n, s.k, s.p(), s.q()};
   // fp32 intermediates between the fused nodes: one rounding to the storage type, at the end.
+  const size_t first_virtual = keep.size();
   for (size_t i = 0; i < steps.size(); ++i)
     keep.push_back(tensor(kVirtual + int64_t(i), out_dims, spec.nhwc, CUDNN_DATA_FLOAT, true));
-  if (fused && !stats) keep.push_back(tensor(kBias, {1, s.k, 1, 1}, spec.nhwc, data, false));
-  if (fused && residual(spec.epilogue)) keep.push_back(tensor(kZ, out_dims, spec.nhwc, data, false));
+  const size_t bias_at = keep.size();
+  if (fused && bias(spec.epilogue)) keep.push_back(tensor(kBias, {1, s.k, 1, 1}, spec.nhwc, data, false));
+  const size_t z_at = keep.size();
+  if (fused && adds(spec.epilogue)) keep.push_back(tensor(kZ, out_dims, spec.nhwc, data, false));
   auto find = [&](int64_t uid) -> const Desc& {
-    if (uid == kBias) return keep[3 + steps.size()];
-    if (uid == kZ) return keep[4 + steps.size()];
-    return keep[3 + (uid - kVirtual)];  // virtual outputs
+    if (uid == kBias) return keep[bias_at];
+    if (uid == kZ) return keep[z_at];
+    return keep[first_virtual + (uid - kVirtual)];  // virtual outputs
   };
 
   std::vector<Desc> ops;
   ops.reserve(8);
-  ops.push_back(conv_operation(spec.pass, conv, x, w, steps.empty() ? y : find(kVirtual)));
+  const Desc& conv_out = steps.empty() ? out : find(kVirtual);
+  ops.push_back(conv_operation(spec.pass, conv, on_x ? conv_out : x, w, on_x ? y : conv_out));
   for (size_t i = 0; i < steps.size(); ++i) {
     const Desc& in = find(kVirtual + int64_t(i));
-    const Desc& out = i + 1 == steps.size() ? y : find(kVirtual + int64_t(i) + 1);
+    const Desc& to = i + 1 == steps.size() ? out : find(kVirtual + int64_t(i) + 1);
     const Desc* operand = steps[i].operand ? &find(steps[i].operand) : nullptr;
-    ops.push_back(pointwise(steps[i].mode, in, operand, out, keep));
+    ops.push_back(pointwise(steps[i].mode, in, operand, to, keep));
   }
   if (stats) {
     keep.push_back(tensor(kSum, {1, s.k, 1, 1}, spec.nhwc, CUDNN_DATA_FLOAT, false));
@@ -262,7 +269,12 @@ void after_graph(const ConvSpec& spec, bool fused, const ConvIO& io, cudaStream_
     bn_statistics(io.y, spec.precision->storage, int64_t(s.n) * plane, s.k, io.stats, stream);
     return;
   }
-  bias_add_relu(io.y, io.bias, residual(spec.epilogue) ? io.z : nullptr, relu(spec.epilogue),
+  if (spec.epilogue == Epilogue::Add) {  // the data gradient's: dx += z
+    void* dx = const_cast<void*>(io.x);
+    add(dx, io.z, dx, spec.precision->storage, size_t(s.n) * s.c * s.h * s.w, stream);
+    return;
+  }
+  bias_add_relu(io.y, io.bias, adds(spec.epilogue) ? io.z : nullptr, relu(spec.epilogue),
                 spec.precision->storage, size_t(s.n) * s.k * plane, s.k, spec.nhwc ? 1 : plane, stream);
 }
 
@@ -273,9 +285,11 @@ Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* work
     uids.insert(uids.end(), {kSum, kSqSum});
     ptrs.insert(ptrs.end(), {io.stats, io.stats + spec.shape.k});
   } else if (fused) {
-    uids.push_back(kBias);
-    ptrs.push_back(const_cast<void*>(io.bias));
-    if (residual(spec.epilogue)) {
+    if (bias(spec.epilogue)) {
+      uids.push_back(kBias);
+      ptrs.push_back(const_cast<void*>(io.bias));
+    }
+    if (adds(spec.epilogue)) {
       uids.push_back(kZ);
       ptrs.push_back(const_cast<void*>(io.z));
     }
@@ -474,6 +488,7 @@ const char* epilogue_name(Epilogue e) {
     case Epilogue::BiasRelu: return "bias+relu";
     case Epilogue::BiasAddRelu: return "bias+add+relu";
     case Epilogue::Stats: return "stats";
+    case Epilogue::Add: return "add";
   }
   return "?";
 }

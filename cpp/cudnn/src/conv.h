@@ -1,7 +1,7 @@
 // A convolution with its epilogue as one cuDNN graph (backend API):
-//   conv -> + bias [-> + residual] [-> relu],  or  conv -> y, genstats(y) (training: BatchNorm's statistics),
+//   conv -> [+ bias] [-> + residual] [-> relu],  or  conv -> y, genstats(y) (training: BatchNorm's statistics),
 // with fp32 virtual intermediates, run by the engine configuration that measured fastest among cuDNN's heuristic
-// candidates; or the convolution alone followed by our kernel (bias_add_relu(), bn_statistics()), where that
+// candidates; or the convolution alone followed by our kernel (bias_add_relu(), bn_statistics(), add()), where that
 // measured faster or nothing fuses. Training uses the same machinery in each of the convolution's three passes
 // (forward, data gradient, weight gradient).
 #pragma once
@@ -37,8 +37,9 @@ class Desc {
 };
 
 // Inference: projection skip, inner convs, block output. Training's forward: Stats, y and its per-channel statistics
-// for the BatchNorm in training mode that follows; its backward passes: None.
-enum class Epilogue { None, Bias, BiasRelu, BiasAddRelu, Stats };
+// for the BatchNorm in training mode that follows; a block's first data gradient: Add, dx plus the gradient of the
+// block's other branch (the residual's sum); other backward passes: None.
+enum class Epilogue { None, Bias, BiasRelu, BiasAddRelu, Stats, Add };
 const char* epilogue_name(Epilogue e);
 
 // Which of the convolution's three computations the graph is: y = conv(x, w), dx = dgrad(dy, w), dw = wgrad(x, dy).
@@ -60,7 +61,7 @@ struct ConvIO {
   const void* x;
   const void* w;     // KRSC (NHWC) or KCRS (NCHW); inference: BN folded in
   const void* bias;  // [k], BN folded in; only with a bias epilogue
-  const void* z;     // residual, same shape as y; only for Epilogue::BiasAddRelu
+  const void* z;     // added to the pass's output (y, or dx), same shape; only for Epilogue::BiasAddRelu and Add
   void* y;
   // Epilogue::Stats: fused, cuDNN's per-channel sum then sum of squares of y ([2][k] fp32); unfused,
   // bn_statistics()'s partial sums (train_kernels.h)

@@ -42,6 +42,7 @@ struct ResNet50Train::ConvUnit {
   int w, x, y;
   int stats;  // the forward's statistics of y, for the BatchNorm after it (ConvIO::stats)
   int dx = -1, dy = -1;
+  int dx_plus = -1;  // a gradient the data gradient adds to its own (the residual's other branch), or -1
   std::unique_ptr<ConvLayer> fprop = nullptr, dgrad = nullptr, wgrad = nullptr;
 };
 
@@ -59,9 +60,15 @@ struct ResNet50Train::BnUnit {
   int dy = -1, dx = -1, dz = -1;
 };
 
-struct ResNet50Train::PoolUnit : PoolDesc {  // PoolDesc's x and y are its cuDNN descriptors; these are tensors
-  using PoolDesc::PoolDesc;
-  int input = -1, output = -1, dinput = -1, doutput = -1;
+// The average pool by cuDNN (PoolDesc's x and y are its descriptors); the max pool by our kernels (`shape`), which
+// keep each output's window position (`where`: a byte per element) for the backward.
+struct ResNet50Train::PoolUnit : PoolDesc {
+  PoolUnit(bool max_, int window, int stride, int pad, const Precision& p, int n, int c, int h, int w)
+      : PoolDesc(max_, window, stride, pad, p, true, n, c, h, w), max(max_),
+        shape{n, c, h, w, window, stride, pad, out_h, out_w} {}
+  bool max;
+  PoolShape shape;
+  int input = -1, output = -1, dinput = -1, doutput = -1, where = -1;
 };
 
 ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::TensorMap& weights,
@@ -124,9 +131,8 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
     const int dskip = bns_[u->bn3].dz;
     d = bn_backward(u->bn2, conv_backward(u->conv3, d, true));
     d = bn_backward(u->bn1, conv_backward(u->conv2, d, true));
-    const int branch = conv_backward(u->conv1, d, true);
     const int shortcut = u->proj_conv < 0 ? dskip : conv_backward(u->proj_conv, bn_backward(u->proj_bn, dskip), true);
-    dy = add(branch, shortcut);
+    dy = conv_backward(u->conv1, d, true, shortcut);  // the block input's gradient: both branches' sum
   }
   conv_backward(0, bn_backward(0, pool_backward(stem_pool, dy)), false);  // no gradient for the input
   steps_.push_back({Kind::Sgd, 0, {}, {}});
@@ -227,22 +233,27 @@ int ResNet50Train::bn(const std::string& name, int x, bool relu, int z) {
 
 int ResNet50Train::pool(int x, bool max, int window, int stride, int pad) {
   const Tensor a = tensors_[x];
-  auto unit = std::make_unique<PoolUnit>(max, window, stride, pad, o_.precision, true, o_.batch, a.c, a.h, a.w);
+  auto unit = std::make_unique<PoolUnit>(max, window, stride, pad, o_.precision, o_.batch, a.c, a.h, a.w);
   unit->input = x;
   unit->output = tensor(a.c, unit->out_h, unit->out_w);
-  steps_.push_back({Kind::PoolForward, int(pools_.size()), {x}, {unit->output}});
+  std::vector<int> writes = {unit->output};
+  if (max) writes.push_back(unit->where = buffer(size_t(o_.batch) * unit->out_h * unit->out_w * a.c));
+  steps_.push_back({Kind::PoolForward, int(pools_.size()), {x}, writes});
   pools_.push_back(std::move(unit));
   return pools_.back()->output;
 }
 
-int ResNet50Train::conv_backward(int unit, int dy, bool data) {
+int ResNet50Train::conv_backward(int unit, int dy, bool data, int dx_plus) {
   ConvUnit& u = convs_[unit];
   u.dy = dy;
   steps_.push_back({Kind::ConvWgrad, unit, {u.x, dy}, {}});
   if (!data) return -1;
   const Tensor a = tensors_[u.x];
   u.dx = tensor(a.c, a.h, a.w);
-  steps_.push_back({Kind::ConvDgrad, unit, {dy}, {u.dx}});
+  u.dx_plus = dx_plus;
+  std::vector<int> reads = {dy};
+  if (dx_plus >= 0) reads.push_back(dx_plus);
+  steps_.push_back({Kind::ConvDgrad, unit, reads, {u.dx}});
   return u.dx;
 }
 
@@ -263,16 +274,9 @@ int ResNet50Train::pool_backward(int unit, int dy) {
   const Tensor a = tensors_[u.input];
   u.doutput = dy;
   u.dinput = tensor(a.c, a.h, a.w);
-  steps_.push_back({Kind::PoolBackward, unit, {dy, u.input, u.output}, {u.dinput}});
+  const std::vector<int> reads = u.max ? std::vector<int>{dy, u.where} : std::vector<int>{dy, u.input, u.output};
+  steps_.push_back({Kind::PoolBackward, unit, reads, {u.dinput}});
   return u.dinput;
-}
-
-int ResNet50Train::add(int a, int b) {
-  const Tensor t = tensors_[a];
-  const int out = tensor(t.c, t.h, t.w);
-  adds_.push_back({a, b, out});
-  steps_.push_back({Kind::Add, int(adds_.size()) - 1, {a, b}, {out}, {{out, a}}});
-  return out;
 }
 
 // fp32 master weights (filters as KRSC, input channels zero-padded), zero momentum, the storage-type copies the
@@ -361,15 +365,17 @@ void ResNet50Train::build_kernels(ladder::Json& stats) {
     ConvPlanner planner(handle_, o_.engine(), stream_);
     for (ConvUnit& u : convs_) {
       auto make = [&](Pass pass, ConvIO io) {
-        const ConvSpec spec{u.shape, pass == Pass::Fprop ? Epilogue::Stats : Epilogue::None, &o_.precision, true,
-                            pass};
+        const Epilogue e = pass == Pass::Fprop ? Epilogue::Stats : io.z ? Epilogue::Add : Epilogue::None;
+        const ConvSpec spec{u.shape, e, &o_.precision, true, pass};
         return std::make_unique<ConvLayer>(u.name, spec, io, planner.plan(spec, io));
       };
       const void* w = weights_of(u.w);
       u.fprop = make(Pass::Fprop, {tensors_[u.x].ptr, w, nullptr, nullptr, tensors_[u.y].ptr,
                                    static_cast<float*>(tensors_[u.stats].ptr)});
       u.wgrad = make(Pass::Wgrad, {tensors_[u.x].ptr, grad_of(u.w), nullptr, nullptr, tensors_[u.dy].ptr});
-      if (u.dx >= 0) u.dgrad = make(Pass::Dgrad, {tensors_[u.dx].ptr, w, nullptr, nullptr, tensors_[u.dy].ptr});
+      if (u.dx >= 0)
+        u.dgrad = make(Pass::Dgrad, {tensors_[u.dx].ptr, w, nullptr, u.dx_plus >= 0 ? tensors_[u.dx_plus].ptr : nullptr,
+                                     tensors_[u.dy].ptr});
     }
     const int in = tensors_[pooled_].c, n = o_.batch;
     void *g = tensors_[pooled_].ptr, *dg = tensors_[dpooled_].ptr;
@@ -457,13 +463,21 @@ void ResNet50Train::run(const Step& s) const {
     }
     case Kind::PoolForward: {
       const PoolUnit& u = *pools_[s.unit];
-      CUDNN_CHECK(cudnnPoolingForward(handle_, u.desc, &one, u.x, ptr(u.input), &zero, u.y, ptr(u.output)));
+      if (u.max)
+        max_pool_forward(ptr(u.input), ptr(u.output), static_cast<uint8_t*>(ptr(u.where)), p.storage, u.shape,
+                         stream_);
+      else
+        CUDNN_CHECK(cudnnPoolingForward(handle_, u.desc, &one, u.x, ptr(u.input), &zero, u.y, ptr(u.output)));
       break;
     }
     case Kind::PoolBackward: {
       const PoolUnit& u = *pools_[s.unit];
-      CUDNN_CHECK(cudnnPoolingBackward(handle_, u.desc, &one, u.y, ptr(u.output), u.y, ptr(u.doutput), u.x,
-                                       ptr(u.input), &zero, u.x, ptr(u.dinput)));
+      if (u.max)
+        max_pool_backward(ptr(u.doutput), static_cast<const uint8_t*>(ptr(u.where)), ptr(u.dinput), p.storage,
+                          u.shape, stream_);
+      else
+        CUDNN_CHECK(cudnnPoolingBackward(handle_, u.desc, &one, u.y, ptr(u.output), u.y, ptr(u.doutput), u.x,
+                                         ptr(u.input), &zero, u.x, ptr(u.dinput)));
       break;
     }
     case Kind::FcForward: fc_forward_->run(stream_); break;
@@ -477,12 +491,6 @@ void ResNet50Train::run(const Step& s) const {
       cross_entropy(ptr(logits_), static_cast<const int*>(labels_.get()), ptr(dlogits_), p.storage, o_.batch,
                     classes_, row_loss_, static_cast<float*>(loss_.get()), history_, count_, kLossHistory, stream_);
       break;
-    case Kind::Add: {
-      const auto& a = adds_[s.unit];
-      const Tensor& t = tensors_[a[2]];
-      rung::add(ptr(a[0]), ptr(a[1]), ptr(a[2]), p.storage, size_t(o_.batch) * t.c * t.h * t.w, stream_);
-      break;
-    }
     case Kind::Sgd: sgd_->step(lr_, kSgdMomentum, kWeightDecay, stream_); break;
   }
 }
@@ -564,7 +572,6 @@ std::pair<std::string, std::string> ResNet50Train::step_layer(size_t i) const {
       return {step_name(s), "forward"};
     case Kind::Loss: return {"loss", "forward"};
     case Kind::Sgd: return {"optimizer", "optimizer"};
-    case Kind::Add: return {"", "backward"};  // a sum of two layers' gradients: no one layer's
     default: return {step_name(s), "backward"};
   }
 }
@@ -576,7 +583,6 @@ std::string ResNet50Train::step_name(const Step& s) const {
     case Kind::PoolForward: case Kind::PoolBackward: return s.unit == 0 ? "maxpool" : "avgpool";
     case Kind::FcForward: case Kind::FcDgrad: case Kind::FcWgrad: case Kind::FcBias: return "fc";
     case Kind::Loss: return "loss";
-    case Kind::Add: return "residual-grad-sum";
     case Kind::Sgd: return "sgd";
   }
   return "?";
@@ -584,8 +590,7 @@ std::string ResNet50Train::step_name(const Step& s) const {
 
 ladder::Json ResNet50Train::micro(int reps) const {
   static const char* const passes[] = {"forward", "dgrad", "wgrad", "forward", "backward", "forward", "backward",
-                                       "forward", "dgrad", "wgrad", "bias-grad", "forward+backward", "backward",
-                                       "update"};
+                                       "forward", "dgrad", "wgrad", "bias-grad", "forward+backward", "update"};
   ladder::Json list = ladder::Json::array();
   issue();  // every buffer holds a real step's values
   for (const Step& s : steps_) {

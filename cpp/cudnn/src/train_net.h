@@ -4,7 +4,6 @@
 // our kernels (train_kernels.h). NHWC. bf16 and fp16 keep fp32 master weights, BatchNorm parameters and statistics,
 // as autocast does; every activation and gradient of the step lives in one memory plan (memory_plan.h).
 #pragma once
-#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,10 +48,10 @@ class ResNet50Train : public Network {
   struct BnUnit;
   struct PoolUnit;
   enum class Kind { ConvFprop, ConvDgrad, ConvWgrad, BnForward, BnBackward, PoolForward, PoolBackward, FcForward,
-                    FcDgrad, FcWgrad, FcBias, Loss, Add, Sgd };
+                    FcDgrad, FcWgrad, FcBias, Loss, Sgd };
   struct Step {
     Kind kind;
-    int unit;  // into convs_, bns_ or pools_; for Add, into adds_
+    int unit;  // into convs_, bns_ or pools_
     std::vector<int> reads, writes;
     std::vector<std::pair<int, int>> in_place = {};  // (output, input) it may compute in place (memory_plan.h)
   };
@@ -63,10 +62,9 @@ class ResNet50Train : public Network {
   int conv(const std::string& name, int x, int k, int r, int stride, int pad);
   int bn(const std::string& name, int x, bool relu, int z = -1);
   int pool(int x, bool max, int window, int stride, int pad);
-  int conv_backward(int unit, int dy, bool data);
+  int conv_backward(int unit, int dy, bool data, int dx_plus = -1);
   int bn_backward(int unit, int dy);
   int pool_backward(int unit, int dy);
-  int add(int a, int b);
   void run(const Step& s) const;
   std::string step_name(const Step& s) const;
   void place_parameters(const ladder::TensorMap& weights);
@@ -84,7 +82,6 @@ class ResNet50Train : public Network {
   std::vector<ConvUnit> convs_;
   std::vector<BnUnit> bns_;
   std::vector<std::unique_ptr<PoolUnit>> pools_;
-  std::vector<std::array<int, 3>> adds_;  // a, b, out
   std::vector<Step> steps_;
   int fc_w_ = -1, fc_b_ = -1, pooled_ = -1, logits_ = -1, dlogits_ = -1, dpooled_ = -1;
   std::unique_ptr<Gemm> fc_forward_, fc_dgrad_, fc_wgrad_;
