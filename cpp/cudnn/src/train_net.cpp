@@ -43,6 +43,7 @@ struct ResNet50Train::ConvUnit {
   int stats;  // the forward's statistics of y, for the BatchNorm after it (ConvIO::stats)
   int dx = -1, dy = -1;
   int dx_plus = -1;  // a gradient the data gradient adds to its own (the residual's other branch), or -1
+  std::array<std::shared_ptr<ConvPlan>, 3> plans = {};  // by Pass: forward, data gradient, weight gradient
   std::unique_ptr<ConvLayer> fprop = nullptr, dgrad = nullptr, wgrad = nullptr;
 };
 
@@ -157,24 +158,44 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
   history_ = reinterpret_cast<float*>(base + align_up(sizeof(float)) + align_up(size_t(o_.batch) * sizeof(float)));
   count_ = reinterpret_cast<int*>(reinterpret_cast<char*>(history_) + align_up(kLossHistory * sizeof(float)));
 
+  x0_ = x0;
+  ladder::Json memory_plan = ladder::Json::object();
+  place_activations(memory_plan);  // a first arena, for tuning: each convolution pass is timed on real buffers
+  tune_convolutions(stats);
+  // Then the plan again, each convolution step's workspace in it, live during that step alone: at the step's peak
+  // (the backward's start) the passes running need little, where one workspace for all held the largest any needs
+  // (1.6 GiB in strict fp32 at batch 256).
+  int64_t largest_workspace = 0;
+  for (Step& s : steps_) {
+    const int pass = conv_pass(s.kind);
+    if (pass < 0) continue;
+    const int64_t need = convs_[s.unit].plans[pass]->workspace;
+    if (need > 0) s.writes.push_back(s.workspace = buffer(size_t(need)));
+    largest_workspace = std::max(largest_workspace, need);
+  }
+  memory_plan["conv_workspace_largest_bytes"] = static_cast<long long>(largest_workspace);
+  place_activations(memory_plan);
+  stats["memory_plan"] = memory_plan;
+  build_kernels(stats);
+  reset();  // tuning ran the convolutions on the first arena's buffers: start from the weights file
+}
+
+// One allocation for every activation, gradient and buffer of the step, by the memory plan over the schedule.
+void ResNet50Train::place_activations(ladder::Json& memory_plan) {
   std::vector<size_t> bytes;
   for (const Tensor& t : tensors_)
-    bytes.push_back(align_up(t.bytes ? t.bytes : size_t(o_.batch) * t.c * t.h * t.w * p.bytes));
-  bytes[x0] = 0;  // the input has its own buffer
+    bytes.push_back(align_up(t.bytes ? t.bytes : size_t(o_.batch) * t.c * t.h * t.w * o_.precision.bytes));
+  bytes[x0_] = 0;  // the input has its own buffer
   std::vector<PlannedStep> planned;
   for (const Step& s : steps_) planned.push_back({s.reads, s.writes, s.in_place});
   const MemoryPlan plan = plan_memory(bytes, planned);
+  activations_ = DeviceBuffer();  // the first arena goes before the second comes
   activations_ = DeviceBuffer(plan.total);
   for (size_t t = 0; t < tensors_.size(); ++t)
     if (plan.offsets[t] >= 0) tensors_[t].ptr = static_cast<char*>(activations_.get()) + plan.offsets[t];
-  ladder::Json memory_plan = ladder::Json::object();
   memory_plan["tensors"] = int(tensors_.size());
   memory_plan["activation_bytes"] = static_cast<unsigned long long>(plan.total);
   memory_plan["peak_live_bytes"] = static_cast<unsigned long long>(plan.peak_live);
-  stats["memory_plan"] = memory_plan;
-
-  build_kernels(stats);
-  reset();  // tuning ran the convolutions on these buffers: start from the weights file
 }
 
 ResNet50Train::~ResNet50Train() {
@@ -349,8 +370,45 @@ void ResNet50Train::reset() {
   LADDER_CUDA(cudaStreamSynchronize(stream_));
 }
 
-// Each convolution pass planned (tuned, or from the engine tables) on its real buffers; the classifier's three
-// products tuned; one workspace for all.
+// A convolution step's pass (Pass as an index), or -1.
+int ResNet50Train::conv_pass(Kind k) {
+  return k == Kind::ConvFprop ? int(Pass::Fprop) : k == Kind::ConvDgrad ? int(Pass::Dgrad)
+       : k == Kind::ConvWgrad ? int(Pass::Wgrad) : -1;
+}
+
+// The pointers each convolution pass reads and writes, in the current arena.
+std::array<ConvIO, 3> ResNet50Train::conv_io(const ConvUnit& u) const {
+  const Param& w = params_[u.w];
+  const void* weights = w.has_copy ? static_cast<const char*>(copies_.get()) + w.copy
+                                   : static_cast<const void*>(static_cast<const float*>(master_.get()) + w.master);
+  void* grad = static_cast<char*>(grads_.get()) + w.grad;
+  auto at = [&](int t) { return t >= 0 ? tensors_[t].ptr : nullptr; };
+  return {ConvIO{at(u.x), weights, nullptr, nullptr, at(u.y), static_cast<float*>(at(u.stats))},
+          ConvIO{at(u.dx), weights, nullptr, at(u.dx_plus), at(u.dy)},
+          ConvIO{at(u.x), grad, nullptr, nullptr, at(u.dy)}};
+}
+
+ConvSpec ResNet50Train::conv_spec(const ConvUnit& u, Pass pass) const {
+  const Epilogue e = pass == Pass::Fprop ? Epilogue::Stats : pass == Pass::Dgrad && u.dx_plus >= 0 ? Epilogue::Add
+                                                                                                  : Epilogue::None;
+  return {u.shape, e, &o_.precision, true, pass};
+}
+
+// Each convolution pass's plan (tuned on its real buffers, or from the engine tables), kept pointer-free.
+void ResNet50Train::tune_convolutions(ladder::Json& stats) {
+  const double t0 = ladder::now_s();
+  ConvPlanner planner(handle_, o_.engine(), stream_);
+  for (ConvUnit& u : convs_) {
+    const std::array<ConvIO, 3> io = conv_io(u);
+    for (Pass pass : {Pass::Fprop, Pass::Dgrad, Pass::Wgrad})
+      if (pass != Pass::Dgrad || u.dx >= 0) u.plans[int(pass)] = planner.plan(conv_spec(u, pass), io[int(pass)]);
+  }
+  planner.report(stats);
+  stats["autotune_s"] = ladder::now_s() - t0;
+}
+
+// The convolution layers bound to the final arena (each to its own workspace there), and the classifier's three
+// products tuned, with one small workspace of their own.
 void ResNet50Train::build_kernels(ladder::Json& stats) {
   const Precision& p = o_.precision;
   auto weights_of = [&](int q) -> void* {
@@ -359,43 +417,35 @@ void ResNet50Train::build_kernels(ladder::Json& stats) {
                       : static_cast<void*>(static_cast<float*>(master_.get()) + w.master);
   };
   auto grad_of = [&](int q) -> void* { return static_cast<char*>(grads_.get()) + params_[q].grad; };
-  const double t0 = ladder::now_s();
-  size_t workspace = 0;
-  {
-    ConvPlanner planner(handle_, o_.engine(), stream_);
-    for (ConvUnit& u : convs_) {
-      auto make = [&](Pass pass, ConvIO io) {
-        const Epilogue e = pass == Pass::Fprop ? Epilogue::Stats : io.z ? Epilogue::Add : Epilogue::None;
-        const ConvSpec spec{u.shape, e, &o_.precision, true, pass};
-        return std::make_unique<ConvLayer>(u.name, spec, io, planner.plan(spec, io));
-      };
-      const void* w = weights_of(u.w);
-      u.fprop = make(Pass::Fprop, {tensors_[u.x].ptr, w, nullptr, nullptr, tensors_[u.y].ptr,
-                                   static_cast<float*>(tensors_[u.stats].ptr)});
-      u.wgrad = make(Pass::Wgrad, {tensors_[u.x].ptr, grad_of(u.w), nullptr, nullptr, tensors_[u.dy].ptr});
-      if (u.dx >= 0)
-        u.dgrad = make(Pass::Dgrad, {tensors_[u.dx].ptr, w, nullptr, u.dx_plus >= 0 ? tensors_[u.dx_plus].ptr : nullptr,
-                                     tensors_[u.dy].ptr});
+  std::vector<void*> workspace_of(convs_.size() * 3, nullptr);
+  for (const Step& s : steps_)
+    if (s.workspace >= 0) workspace_of[size_t(s.unit) * 3 + conv_pass(s.kind)] = tensors_[s.workspace].ptr;
+  for (size_t i = 0; i < convs_.size(); ++i) {
+    ConvUnit& u = convs_[i];
+    const std::array<ConvIO, 3> io = conv_io(u);
+    std::unique_ptr<ConvLayer>* layers[] = {&u.fprop, &u.dgrad, &u.wgrad};
+    for (Pass pass : {Pass::Fprop, Pass::Dgrad, Pass::Wgrad}) {
+      if (!u.plans[int(pass)]) continue;
+      auto& layer = *layers[int(pass)];
+      layer = std::make_unique<ConvLayer>(u.name, conv_spec(u, pass), io[int(pass)], u.plans[int(pass)]);
+      layer->bind(workspace_of[i * 3 + int(pass)]);
     }
+  }
+  {
+    TuningWorkspace scratch(o_.workspace_limit);
     const int in = tensors_[pooled_].c, n = o_.batch;
     void *g = tensors_[pooled_].ptr, *dg = tensors_[dpooled_].ptr;
     void *logits = tensors_[logits_].ptr, *dlogits = tensors_[dlogits_].ptr;
     fc_forward_ = std::make_unique<Linear>(p, n, in, classes_, weights_of(fc_w_), weights_of(fc_b_), g, logits,
-                                           planner.scratch(), stream_);
+                                           scratch, stream_);
     // dg[N, in] = dlogits[N, out] W[out, in]; dW[out, in] = dlogits^T g (column-major: dg^T = W^T' dlogits^T...).
     fc_dgrad_ = std::make_unique<Gemm>(p, GemmShape{false, false, in, n, classes_, in, classes_, in},
-                                       weights_of(fc_w_), dlogits, dg, nullptr, planner.scratch(), stream_);
+                                       weights_of(fc_w_), dlogits, dg, nullptr, scratch, stream_);
     fc_wgrad_ = std::make_unique<Gemm>(p, GemmShape{false, true, in, classes_, n, in, classes_, in}, g, dlogits,
-                                       grad_of(fc_w_), nullptr, planner.scratch(), stream_);
-    workspace = std::max({planner.workspace(), fc_forward_->workspace(), fc_dgrad_->workspace(),
-                          fc_wgrad_->workspace()});
-    planner.report(stats);
+                                       grad_of(fc_w_), nullptr, scratch, stream_);
   }
-  stats["autotune_s"] = ladder::now_s() - t0;
-  if (workspace) workspace_ = DeviceBuffer(workspace);
-  for (ConvUnit& u : convs_)
-    for (ConvLayer* l : {u.fprop.get(), u.dgrad.get(), u.wgrad.get()})
-      if (l) l->bind(workspace_.get());
+  const size_t fc_workspace = std::max({fc_forward_->workspace(), fc_dgrad_->workspace(), fc_wgrad_->workspace()});
+  if (fc_workspace) workspace_ = DeviceBuffer(fc_workspace);
   for (Gemm* g : {static_cast<Gemm*>(fc_forward_.get()), fc_dgrad_.get(), fc_wgrad_.get()}) g->bind(workspace_.get());
 
   ladder::Json convs = ladder::Json::array();

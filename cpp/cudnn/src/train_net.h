@@ -4,6 +4,7 @@
 // our kernels (train_kernels.h). NHWC. bf16 and fp16 keep fp32 master weights, BatchNorm parameters and statistics,
 // as autocast does; every activation and gradient of the step lives in one memory plan (memory_plan.h).
 #pragma once
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,7 @@ class ResNet50Train : public Network {
     int unit;  // into convs_, bns_ or pools_
     std::vector<int> reads, writes;
     std::vector<std::pair<int, int>> in_place = {};  // (output, input) it may compute in place (memory_plan.h)
+    int workspace = -1;  // a convolution pass's cuDNN workspace: a buffer of the plan, live during this step alone
   };
 
   int tensor(int c, int h, int w);
@@ -69,6 +71,11 @@ class ResNet50Train : public Network {
   std::string step_name(const Step& s) const;
   void place_parameters(const ladder::TensorMap& weights);
   void upload_input(const ladder::HostTensor& x);  // fp32 NCHW into the input buffer: storage type, NHWC, padded
+  void place_activations(ladder::Json& memory_plan);
+  std::array<ConvIO, 3> conv_io(const ConvUnit& u) const;  // by Pass
+  ConvSpec conv_spec(const ConvUnit& u, Pass pass) const;
+  static int conv_pass(Kind k);
+  void tune_convolutions(ladder::Json& stats);
   void build_kernels(ladder::Json& stats);
 
   NetOptions o_;
@@ -76,6 +83,7 @@ class ResNet50Train : public Network {
   cudaStream_t stream_;
   cudnnHandle_t handle_ = nullptr;
   int c_in_;  // the stem's input channels (3, zero-padded to 16 bytes for tensor cores)
+  int x0_ = -1;  // the input's tensor (its own buffer, outside the plan)
   int classes_;  // the classifier's outputs, as the weights file's fc.weight has them
   std::vector<Tensor> tensors_;
   std::vector<Param> params_;
