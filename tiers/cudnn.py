@@ -2,9 +2,12 @@
 cuDNN pooling, a cuBLASLt classifier and a little CUDA of our own (cpp/cudnn). It is built on demand against the
 cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc.
 
-It trains too (`--task train`, cpp/cudnn/src/train_net.h): the three passes of every convolution by cuDNN, BatchNorm
-in training mode, the loss and SGD by our kernels, the classifier's gradients by cuBLASLt; NHWC, bf16 (fp32 master
-weights, as autocast) or fp32/tf32; the whole step one CUDA graph under --cuda-graph.
+It trains too (`--task train`, cpp/cudnn/src/train_net.h): the three passes of every convolution by cuDNN (a block's
+first data gradient adding the residual's other gradient in its graph; BatchNorm's statistics in the forward's graph
+where cuDNN's genstats times faster than our pass), BatchNorm in training mode, max-pooling, the loss and SGD by our
+kernels, the classifier's gradients by cuBLASLt; NHWC, bf16 (fp32 master weights, as autocast) or fp32/tf32; one
+memory plan for every activation, gradient and convolution workspace; the whole step one CUDA graph under
+--cuda-graph.
 
 The binary also takes `--option autotune=K` (engine configurations timed per distinct convolution, default 8) and
 `--option workspace-mb=M` (the most workspace one candidate may use, default 2048)."""
