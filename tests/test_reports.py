@@ -248,3 +248,22 @@ def test_the_markdown_opens_with_rungs_by_dtype_and_drops_empty_columns(sweep):
     assert all(len(line) <= 100 for line in md[first:md.index("## Every cell")])
     header = md[md.index("## Every cell") + 2]
     assert "GPU MiB (NVML)" not in header and "alloc MiB" not in header and "median ms" in header
+
+
+def test_micro_training_table_fits_100_columns_with_whole_layer_names():
+    """The cudnn rung's training micro table, from a real H100 run's rows (290 steps, names up to 21 characters):
+    at 100 columns every line fits and no layer name is cut or folded."""
+    import io
+
+    from rich.console import Console
+
+    from harness.micro import micro_table
+
+    rows = json.loads((REPO / "results/nvidia-h100-80gb-hbm3/train/cudnn/micro/"
+                       "micro_train_cudnn_b256_bf16.json").read_text())["rows"]
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(micro_table("cudnn: training step", rows))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 100
+    shown = {line.split()[0] for line in lines if line.strip() and line.split()[0] in {r["layer"] for r in rows}}
+    assert shown == {r["layer"] for r in rows}
