@@ -281,18 +281,17 @@ void after_graph(const ConvSpec& spec, bool fused, const ConvIO& io, cudaStream_
 Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* workspace) {
   std::vector<int64_t> uids = {kX, kW, kY};
   std::vector<void*> ptrs = {const_cast<void*>(io.x), const_cast<void*>(io.w), io.y};
+  if (fused && bias(spec.epilogue)) {
+    uids.push_back(kBias);
+    ptrs.push_back(const_cast<void*>(io.bias));
+  }
+  if (fused && adds(spec.epilogue)) {
+    uids.push_back(kZ);
+    ptrs.push_back(const_cast<void*>(io.z));
+  }
   if (fused && spec.epilogue == Epilogue::Stats) {
     uids.insert(uids.end(), {kSum, kSqSum});
     ptrs.insert(ptrs.end(), {io.stats, io.stats + spec.shape.k});
-  } else if (fused) {
-    if (bias(spec.epilogue)) {
-      uids.push_back(kBias);
-      ptrs.push_back(const_cast<void*>(io.bias));
-    }
-    if (adds(spec.epilogue)) {
-      uids.push_back(kZ);
-      ptrs.push_back(const_cast<void*>(io.z));
-    }
   }
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, int64_t(ptrs.size()), ptrs.data())

@@ -452,12 +452,8 @@ __global__ void sgd_kernel(const SgdTensor* __restrict__ tensors, const Chunk* _
 struct PoolIndex {
   int b, y, x, lane;  // image, row, column (of the output in the forward, of the input in the backward), channel pack
   __device__ PoolIndex(size_t i, int lanes, int width, int height)
-      : b(0), y(0), x(0), lane(int(i % lanes)) {
-    const size_t pixel = i / lanes;
-    x = int(pixel % width);
-    y = int(pixel / width % height);
-    b = int(pixel / width / height);
-  }
+      : b(int(i / lanes / width / height)), y(int(i / lanes / width % height)), x(int(i / lanes % width)),
+        lane(int(i % lanes)) {}
 };
 
 template <typename T>

@@ -43,8 +43,11 @@ struct ResNet50Train::ConvUnit {
   int stats;  // the forward's statistics of y, for the BatchNorm after it (ConvIO::stats)
   int dx = -1, dy = -1;
   int dx_plus = -1;  // a gradient the data gradient adds to its own (the residual's other branch), or -1
-  std::array<std::shared_ptr<ConvPlan>, 3> plans = {};  // by Pass: forward, data gradient, weight gradient
-  std::unique_ptr<ConvLayer> fprop = nullptr, dgrad = nullptr, wgrad = nullptr;
+  // By Pass (forward, data gradient, weight gradient): the tuned plan, the layer bound to the final arena, and the
+  // plan's workspace (a buffer of the memory plan, or -1).
+  std::array<std::shared_ptr<ConvPlan>, 3> plans = {};
+  std::array<std::unique_ptr<ConvLayer>, 3> layers = {};
+  std::array<int, 3> workspaces = {-1, -1, -1};
 };
 
 // Floats per channel of a BatchNorm in bn_state_: running mean and variance, the saved mean and 1/std, and the
@@ -169,8 +172,9 @@ ResNet50Train::ResNet50Train(const NetOptions& o, float lr, const ladder::Tensor
   for (Step& s : steps_) {
     const int pass = conv_pass(s.kind);
     if (pass < 0) continue;
-    const int64_t need = convs_[s.unit].plans[pass]->workspace;
-    if (need > 0) s.writes.push_back(s.workspace = buffer(size_t(need)));
+    ConvUnit& u = convs_[s.unit];
+    const int64_t need = u.plans[pass]->workspace;
+    if (need > 0) s.writes.push_back(u.workspaces[pass] = buffer(size_t(need)));
     largest_workspace = std::max(largest_workspace, need);
   }
   memory_plan["conv_workspace_largest_bytes"] = static_cast<long long>(largest_workspace);
@@ -376,12 +380,19 @@ int ResNet50Train::conv_pass(Kind k) {
        : k == Kind::ConvWgrad ? int(Pass::Wgrad) : -1;
 }
 
+// The weights the forward reads (the storage-type copy in 16-bit runs, else the fp32 master) and the gradient.
+void* ResNet50Train::weights_of(int q) const {
+  const Param& w = params_[q];
+  return w.has_copy ? static_cast<char*>(copies_.get()) + w.copy
+                    : static_cast<void*>(static_cast<float*>(master_.get()) + w.master);
+}
+
+void* ResNet50Train::grad_of(int q) const { return static_cast<char*>(grads_.get()) + params_[q].grad; }
+
 // The pointers each convolution pass reads and writes, in the current arena.
 std::array<ConvIO, 3> ResNet50Train::conv_io(const ConvUnit& u) const {
-  const Param& w = params_[u.w];
-  const void* weights = w.has_copy ? static_cast<const char*>(copies_.get()) + w.copy
-                                   : static_cast<const void*>(static_cast<const float*>(master_.get()) + w.master);
-  void* grad = static_cast<char*>(grads_.get()) + w.grad;
+  const void* weights = weights_of(u.w);
+  void* grad = grad_of(u.w);
   auto at = [&](int t) { return t >= 0 ? tensors_[t].ptr : nullptr; };
   return {ConvIO{at(u.x), weights, nullptr, nullptr, at(u.y), static_cast<float*>(at(u.stats))},
           ConvIO{at(u.dx), weights, nullptr, at(u.dx_plus), at(u.dy)},
@@ -411,24 +422,13 @@ void ResNet50Train::tune_convolutions(ladder::Json& stats) {
 // products tuned, with one small workspace of their own.
 void ResNet50Train::build_kernels(ladder::Json& stats) {
   const Precision& p = o_.precision;
-  auto weights_of = [&](int q) -> void* {
-    const Param& w = params_[q];
-    return w.has_copy ? static_cast<char*>(copies_.get()) + w.copy
-                      : static_cast<void*>(static_cast<float*>(master_.get()) + w.master);
-  };
-  auto grad_of = [&](int q) -> void* { return static_cast<char*>(grads_.get()) + params_[q].grad; };
-  std::vector<void*> workspace_of(convs_.size() * 3, nullptr);
-  for (const Step& s : steps_)
-    if (s.workspace >= 0) workspace_of[size_t(s.unit) * 3 + conv_pass(s.kind)] = tensors_[s.workspace].ptr;
-  for (size_t i = 0; i < convs_.size(); ++i) {
-    ConvUnit& u = convs_[i];
+  for (ConvUnit& u : convs_) {
     const std::array<ConvIO, 3> io = conv_io(u);
-    std::unique_ptr<ConvLayer>* layers[] = {&u.fprop, &u.dgrad, &u.wgrad};
     for (Pass pass : {Pass::Fprop, Pass::Dgrad, Pass::Wgrad}) {
-      if (!u.plans[int(pass)]) continue;
-      auto& layer = *layers[int(pass)];
-      layer = std::make_unique<ConvLayer>(u.name, conv_spec(u, pass), io[int(pass)], u.plans[int(pass)]);
-      layer->bind(workspace_of[i * 3 + int(pass)]);
+      const int i = int(pass);
+      if (!u.plans[i]) continue;
+      u.layers[i] = std::make_unique<ConvLayer>(u.name, conv_spec(u, pass), io[i], u.plans[i]);
+      u.layers[i]->bind(u.workspaces[i] >= 0 ? tensors_[u.workspaces[i]].ptr : nullptr);
     }
   }
   {
@@ -450,7 +450,7 @@ void ResNet50Train::build_kernels(ladder::Json& stats) {
 
   ladder::Json convs = ladder::Json::array();
   for (const ConvUnit& u : convs_)
-    for (const ConvLayer* l : {u.fprop.get(), u.dgrad.get(), u.wgrad.get()}) {
+    for (const auto& l : u.layers) {
       if (!l) continue;
       ladder::Json j = ladder::Json::object();
       j["name"] = u.name;
@@ -481,9 +481,9 @@ void ResNet50Train::run(const Step& s) const {
   auto* scratch = static_cast<float*>(bn_scratch_.get());
   const float one = 1.f, zero = 0.f;
   switch (s.kind) {
-    case Kind::ConvFprop: convs_[s.unit].fprop->run(handle_, stream_); break;
-    case Kind::ConvDgrad: convs_[s.unit].dgrad->run(handle_, stream_); break;
-    case Kind::ConvWgrad: convs_[s.unit].wgrad->run(handle_, stream_); break;
+    case Kind::ConvFprop:
+    case Kind::ConvDgrad:
+    case Kind::ConvWgrad: convs_[s.unit].layers[conv_pass(s.kind)]->run(handle_, stream_); break;
     case Kind::BnForward:
     case Kind::BnBackward: {
       const BnUnit& b = bns_[s.unit];
@@ -495,7 +495,7 @@ void ResNet50Train::run(const Step& s) const {
       if (s.kind == Kind::BnForward) {
         const ConvUnit& conv = convs_[b.conv];
         bn_forward(a.ptr, ptr(b.z), ptr(b.y), b.relu, p.storage, rows, b.channels,
-                   static_cast<const float*>(ptr(conv.stats)), conv.fprop->plan().fused, gamma,
+                   static_cast<const float*>(ptr(conv.stats)), conv.layers[int(Pass::Fprop)]->plan().fused, gamma,
                    master + params_[b.beta].master, state, state + b.channels, kBnMomentum, float(kBnEps),
                    state + 2 * b.channels, state + 3 * b.channels, state + 4 * b.channels, stream_);
       } else {
@@ -650,11 +650,8 @@ ladder::Json ResNet50Train::micro(int reps) const {
     const double ms = median_ms(stream_, [&] { run(s); }, reps, 3);
     j["median_ms"] = ms;
     double flops = 0;
-    const ConvLayer* layer = nullptr;
+    const ConvLayer* layer = conv_pass(s.kind) >= 0 ? convs_[s.unit].layers[conv_pass(s.kind)].get() : nullptr;
     switch (s.kind) {
-      case Kind::ConvFprop: layer = convs_[s.unit].fprop.get(); break;
-      case Kind::ConvDgrad: layer = convs_[s.unit].dgrad.get(); break;
-      case Kind::ConvWgrad: layer = convs_[s.unit].wgrad.get(); break;
       case Kind::FcForward: flops = fc_forward_->flops(); break;
       case Kind::FcDgrad: flops = fc_dgrad_->flops(); break;
       case Kind::FcWgrad: flops = fc_wgrad_->flops(); break;

@@ -42,7 +42,7 @@ class ResNet50Train : public Network {
   struct Tensor {  // an activation or a gradient of the batch: [batch, h, w, c] in the storage type
     int c, h, w;
     void* ptr = nullptr;
-    size_t bytes = 0;  // nonzero: no activation but a buffer of these bytes (a convolution's statistics of its output)
+    size_t bytes = 0;  // nonzero: a buffer of these bytes (statistics, max-pool positions, a convolution's workspace)
   };
   struct Param;
   struct ConvUnit;
@@ -55,7 +55,6 @@ class ResNet50Train : public Network {
     int unit;  // into convs_, bns_ or pools_
     std::vector<int> reads, writes;
     std::vector<std::pair<int, int>> in_place = {};  // (output, input) it may compute in place (memory_plan.h)
-    int workspace = -1;  // a convolution pass's cuDNN workspace: a buffer of the plan, live during this step alone
   };
 
   int tensor(int c, int h, int w);
@@ -72,6 +71,8 @@ class ResNet50Train : public Network {
   void place_parameters(const ladder::TensorMap& weights);
   void upload_input(const ladder::HostTensor& x);  // fp32 NCHW into the input buffer: storage type, NHWC, padded
   void place_activations(ladder::Json& memory_plan);
+  void* weights_of(int param) const;
+  void* grad_of(int param) const;
   std::array<ConvIO, 3> conv_io(const ConvUnit& u) const;  // by Pass
   ConvSpec conv_spec(const ConvUnit& u, Pass pass) const;
   static int conv_pass(Kind k);
