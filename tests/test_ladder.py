@@ -400,3 +400,17 @@ def test_a_cell_measured_beside_a_busy_process_is_flagged_and_refused_on_request
     assert r["contention"]["flagged"] and r["contention"]["other_cpus_busy"] > 0.5
     assert r["status"] == "contended" and "timings withheld" in r["reason"]
     assert "latency_ms" not in r or r.get("latency_ms") is None
+
+
+def test_an_option_default_can_differ_by_device():
+    """triton's launch path defaults to a recorded plan on the GPU and to Triton's own path on the CPU (whose
+    interpreter compiles nothing to replay): each is the same cell as no option on its device, the other is not."""
+    from core.cell import Cell
+    from tiers import identity
+    from tiers.triton import TIER
+
+    for device, default, other in (("cuda", "plan", "jit"), ("cpu", "jit", "plan")):
+        plain = Cell(tier="triton", device=device)
+        assert TIER.setting(plain, "launch") == default
+        assert identity(dataclasses.replace(plain, options=(("launch", default),))) == identity(plain)
+        assert identity(dataclasses.replace(plain, options=(("launch", other),))) != identity(plain)

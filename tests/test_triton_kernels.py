@@ -42,6 +42,7 @@ CONV_CASES = [
     (3, 5, 7, 9, 11, 3, 2, 1, False, True),  # 3x3/s2 over an odd image
     (3, 19, 33, 7, 9, 1, 1, 0, True, False),  # 1x1: a GEMM, residual without ReLU
     (3, 19, 33, 7, 8, 1, 2, 0, False, False),  # 1x1/s2: the downsample shortcut
+    (2, 4, 9, 8, 12, 3, 2, 1, True, True),  # 3x3/s2 over 4 channels: space-to-depth fills all 16 channels
 ]
 
 
@@ -65,6 +66,14 @@ def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
     out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, input_amax=x.abs().max().item()),
                  nhwc(res) if residual else None, relu)
     close(nchw(out), ref, tol=0.15)
+    # the stem's packing: the equal stride-1 convolution over the input's 2x2 pixel tiles, where one exists
+    if stride == 2 and cin <= 4:
+        out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, space_to_depth=True),
+                     nhwc(res) if residual else None, relu)
+        close(nchw(out), ref)
+    else:
+        with pytest.raises(ValueError, match="space-to-depth packs a square stride-2 convolution"):
+            pack_conv(weight, stride, pad, bias=bias, space_to_depth=True)
 
 
 def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():

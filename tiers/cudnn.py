@@ -1,5 +1,7 @@
 """The bottom rung: ResNet-50 straight from cuDNN's graph API (convolutions with bias, residual add and ReLU fused),
-cuDNN pooling, a cuBLASLt classifier and a little CUDA of our own (cpp/cudnn). It is built on demand against the
+cuDNN's average pooling, a cuBLASLt classifier and a little CUDA of our own (max-pooling in NHWC; cpp/cudnn). On
+tensor cores its input is space-to-depth (2x2 pixel tiles as 12 channels), made once at build like any rung's input
+conversion, so that the stem is a 4x4 stride-1 convolution cuDNN runs fast. It is built on demand against the
 cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc.
 
 It trains too (`--task train`, cpp/cudnn/src/train_net.h): the three passes of every convolution by cuDNN (a block's
@@ -143,7 +145,7 @@ class CudnnTier(ExternalTier):
     name = "cudnn"
     cannot_train = None
     cuda_graph_train = True
-    summary = "cuDNN graph API (fused conv+bias+add+ReLU) + cuDNN pooling + cuBLASLt classifier, C++/CUDA"
+    summary = "cuDNN graph API (fused conv+bias+add+ReLU) + own max-pool + cuBLASLt classifier, C++/CUDA"
     models = ("resnet50",)
     cuda_graph = True
     has_micro = True

@@ -84,9 +84,9 @@ class OnnxRuntime(PythonTier):
         """The CUDA EP's options that shape its speed, as the record shows them: TF32, the convolution algorithm
         search, NHWC kernels where the cell is channels-last, and its own CUDA graph for a cuda_graph cell."""
         return {"use_tf32": "1" if cell.dtype == "tf32" else "0",
-                "cudnn_conv_algo_search": cell.option("conv-algo-search", self.option_default("conv-algo-search")),
+                "cudnn_conv_algo_search": self.setting(cell, "conv-algo-search"),
                 "prefer_nhwc": "1" if cell.channels_last else "0",
-                "fuse_conv_bias": cell.option("fuse-conv-bias", self.option_default("fuse-conv-bias")),
+                "fuse_conv_bias": self.setting(cell, "fuse-conv-bias"),
                 "enable_cuda_graph": "1" if cell.cuda_graph else "0"}
 
     def providers(self, cell, stream, store) -> list:
@@ -97,8 +97,7 @@ class OnnxRuntime(PythonTier):
         import onnxruntime as ort  # optional: availability() says why it is missing
 
         workdir, keep = onnx_dir(store)
-        path, facts = export_onnx(model, example, cell, workdir,
-                                  cell.option("fp16-graph", self.option_default("fp16-graph")))
+        path, facts = export_onnx(model, example, cell, workdir, self.setting(cell, "fp16-graph"))
         x = bound_input(example, cell)
         if cell.device == "cuda":
             ort.preload_dlls()  # the CUDA and cuDNN libraries torch's own nvidia packages bring: no other CUDA

@@ -58,13 +58,19 @@ class TritonTier(PythonTier):
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
     cuda_graph = True
-    # launch: each kernel through Triton's own launch path (jit), or a forward recorded once and replayed through
-    # the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the GPU only).
+    # launch: each kernel through Triton's own launch path (jit; the CPU's default), or a forward recorded once and
+    # replayed through the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the
+    # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
     has_micro = True
+
+    def option_default(self, key: str, device: str) -> str | None:
+        if key == "launch":  # the interpreter (the CPU) compiles nothing to replay
+            return "plan" if device == "cuda" else "jit"
+        return super().option_default(key, device)
 
     def availability(self, device: str) -> str | None:
         if device == "cpu":
@@ -76,7 +82,7 @@ class TritonTier(PythonTier):
         return None
 
     def supports(self, cell: Cell) -> str | None:
-        if cell.option("launch", "jit") == "plan" and cell.device != "cuda":
+        if self.setting(cell, "launch") == "plan" and cell.device != "cuda":
             return "launch=plan replays compiled kernels, which the interpreter (the CPU) does not make"
         return super().supports(cell)
 
@@ -84,12 +90,12 @@ class TritonTier(PythonTier):
         from kernels.triton import tuning  # Triton itself: imported only where it runs (availability says why not)
         from kernels.triton.resnet import TritonResNet  # as above
 
-        tune = cell.option("autotune", "on") == "on"
+        tune = self.setting(cell, "autotune") == "on"
         tuned_file = store.cache / "tuned.json" if store.cache else None
         tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
         fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
-                           planned=cell.option("launch", "jit") == "plan")
+                           planned=self.setting(cell, "launch") == "plan")
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -176,7 +182,8 @@ class LayerCase:
                          if adds else None)
         self.nhwc = self.x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (in the rung it stays NHWC)
         self.residual_nhwc = self.residual.permute(0, 2, 3, 1).contiguous() if adds else None
-        pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device)
+        pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device,
+                       space_to_depth=layer.path == "conv1")  # as the network packs its stem
         # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there).
         fp8 = dtype == "fp8" and layer.path != "conv1"
         self.packed = pack(input_amax=self.x.abs().max().item()) if fp8 else pack(kmajor=tdt == torch.float32

@@ -70,14 +70,15 @@ class TritonResNet:
         def packing(path: str) -> dict:
             return {"input_amax": fp8_amax[path]} if fp8_amax else {"kmajor": kmajor}
 
-        self.stem = _pack(model.conv1, model.bn1, dtype, device, kmajor=kmajor)
+        self.stem = _pack(model.conv1, model.bn1, dtype, device, kmajor=kmajor, space_to_depth=True)
         blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
                                                                     model.layer4)) for j in range(len(layer))]
         self.blocks = [pack_block(block, dtype, device, packing, f"{name}.") for name, block in zip(
             blocks, (b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer))]
         fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
         self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device, kmajor=kmajor)
-        self.launches = 3 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
+        # the stem's two launches (space-to-depth, convolution), the two pools, the classifier, the blocks'
+        self.launches = 5 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
         # planned: each input shape's forward recorded once, then replayed (kernels/triton/plan.py)
         self.planned, self.plans, self.scoped = planned, {}, False
         # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.

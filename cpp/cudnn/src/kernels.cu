@@ -6,15 +6,18 @@ namespace {
 
 template <typename T>
 __global__ void nchw_to_nhwc_kernel(const float* __restrict__ src, T* __restrict__ dst, int n, int c, int h, int w,
-                                    int c_pad) {
+                                    InputLayout to) {
   size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  size_t total = size_t(n) * h * w * c_pad;
+  size_t total = size_t(n) * to.out_h * to.out_w * to.c_pad;
   if (i >= total) return;
-  int ch = static_cast<int>(i % c_pad);
-  size_t pixel = i / c_pad;  // (b, y, x) flattened
-  size_t hw = size_t(h) * w;
-  size_t b = pixel / hw, yx = pixel % hw;
-  dst[i] = from_float<T>(ch < c ? src[(b * c + ch) * hw + yx] : 0.f);
+  const int ch = static_cast<int>(i % to.c_pad);
+  const size_t pixel = i / to.c_pad;  // (b, y, x) flattened
+  const int x = static_cast<int>(pixel % to.out_w), y = static_cast<int>(pixel / to.out_w % to.out_h);
+  const size_t b = pixel / to.out_w / to.out_h;
+  const int tap = ch / c, from = ch % c;  // the tile's pixel, the source channel
+  const int sy = y * to.block + tap / to.block - to.pad, sx = x * to.block + tap % to.block - to.pad;
+  const bool inside = tap < to.block * to.block && sy >= 0 && sy < h && sx >= 0 && sx < w;
+  dst[i] = from_float<T>(inside ? src[((b * c + from) * h + sy) * w + sx] : 0.f);
 }
 
 template <typename T>
@@ -63,12 +66,12 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-void nchw_to_nhwc(const float* src, void* dst, Storage storage, int n, int c, int h, int w, int c_pad,
+void nchw_to_nhwc(const float* src, void* dst, Storage storage, int n, int c, int h, int w, const InputLayout& to,
                   cudaStream_t stream) {
-  size_t total = size_t(n) * h * w * c_pad;
+  size_t total = size_t(n) * to.out_h * to.out_w * to.c_pad;
   with_type(storage, [&](auto t) {
     using T = decltype(t);
-    nchw_to_nhwc_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(src, static_cast<T*>(dst), n, c, h, w, c_pad);
+    nchw_to_nhwc_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(src, static_cast<T*>(dst), n, c, h, w, to);
   });
   LADDER_CUDA(cudaGetLastError());
 }

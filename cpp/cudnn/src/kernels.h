@@ -8,9 +8,15 @@
 
 namespace rung {
 
-// The contract's fp32 NCHW input to NHWC in the storage type, channels zero-padded from c to c_pad (done once at
-// build; the zero channels meet zero filter taps, so the result is unchanged).
-void nchw_to_nhwc(const float* src, void* dst, Storage storage, int n, int c, int h, int w, int c_pad,
+// The contract's fp32 NCHW input to NHWC in the storage type (done once at build): `pad` zero pixels on each
+// border, then each `block` x `block` tile of pixels folded into one pixel's channels (space-to-depth; block 1: plain
+// NHWC), channel (u * block + v) * c + i holding channel i of the tile's pixel (u, v); channels zero-padded to c_pad.
+// The output is [n, out_h, out_w, c_pad]; pixels past the padded image are zero. Zero channels and pixels meet zero
+// filter taps, so the convolution's result is unchanged.
+struct InputLayout {
+  int pad = 0, block = 1, out_h, out_w, c_pad;
+};
+void nchw_to_nhwc(const float* src, void* dst, Storage storage, int n, int c, int h, int w, const InputLayout& to,
                   cudaStream_t stream);
 
 // y = [relu](y + bias[channel] [+ z]) in place: the epilogue of a convolution whose engine could not fuse it.

@@ -8,12 +8,17 @@
 
 #include "kernels.h"
 #include "memory_plan.h"
+#include "train_kernels.h"
 
 namespace rung {
 
 struct ResNet50::Pool : PoolDesc {
   using PoolDesc::PoolDesc;
   int in = -1, out = -1;
+  // Max-pooling in NHWC runs on our kernel (the training rung's forward, train_kernels.h): cuDNN's took 0.31 ms for
+  // the stem's at bf16 batch 256 on the H100, twice its bytes' time.
+  bool ours = false;
+  PoolShape shape{};
 };
 
 PoolDesc::PoolDesc(bool max, int window, int stride, int pad, const Precision& p, bool nhwc, int n, int c, int h,
@@ -90,6 +95,22 @@ void fold(const ladder::TensorMap& W, const std::string& conv, const std::string
   }
 }
 
+// The stem's filter [k][r][r][c] (KRSC, stride 2) as the filter of the same convolution over the space-to-depth
+// input (nchw_to_nhwc with block 2): tap (a, b) of channel (u * 2 + v) * c + i is the r x r tap (2a + u, 2b + v) of
+// channel i, zero past the r x r window (an odd window extends by one zero row and column); channels up to c_pad zero.
+std::vector<float> space_to_depth_filter(const std::vector<float>& w, int k, int r, int c, int c_pad) {
+  const int taps = (r + 1) / 2;
+  std::vector<float> out(size_t(k) * taps * taps * c_pad, 0.f);
+  for (int o = 0; o < k; ++o)
+    for (int y = 0; y < r; ++y)
+      for (int x = 0; x < r; ++x)
+        for (int i = 0; i < c; ++i) {
+          const int ch = ((y % 2) * 2 + x % 2) * c + i;
+          out[((size_t(o) * taps + y / 2) * taps + x / 2) * c_pad + ch] = w[((size_t(o) * r + y) * r + x) * c + i];
+        }
+  return out;
+}
+
 }  // namespace
 
 ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const ladder::HostTensor& input,
@@ -102,11 +123,19 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   CUDNN_CHECK(cudnnCreate(&handle_));
   CUDNN_CHECK(cudnnSetStream(handle_, stream_));
 
-  // The network, as shapes. Tensor-core kernels want 16-byte channel vectors, so the stem's 3 input channels are
-  // zero-padded to 16 bytes' worth in NHWC (zero taps: same result).
-  const int c_in = o_.nhwc && p.tensor_cores() ? int(16 / p.bytes) : 3;
-  acts_.push_back({c_in, o_.res, o_.res});
-  int x = add_conv("conv1", "bn1", 0, 64, 7, 2, 3, Epilogue::BiasRelu);
+  // The network, as shapes. The stem is a 7x7 stride-2 convolution over 3 channels. On tensor cores, whose kernels
+  // want 16-byte channel vectors, cuDNN ran it, with the channels zero-padded to 8, on one slow engine (1.79 of 8.56
+  // ms at bf16 batch 256 on the H100). So there the input comes space-to-depth: each 2x2 pixel tile of the padded
+  // image one pixel of 12 channels (zero-padded to 16 bytes' multiple), and the stem is the equal 4x4 stride-1
+  // convolution over it, with no padding (docs/notes/handwritten-toward-the-limit.md).
+  const bool space_to_depth = o_.nhwc && p.tensor_cores();
+  const int stem_out = (o_.res + 2 * 3 - 7) / 2 + 1;
+  const int c_pad = int(16 / p.bytes), stem_channels = (12 + c_pad - 1) / c_pad * c_pad;
+  const InputLayout layout = space_to_depth ? InputLayout{3, 2, stem_out + 3, stem_out + 3, stem_channels}
+                                            : InputLayout{0, 1, o_.res, o_.res, 3};
+  acts_.push_back({layout.c_pad, layout.out_h, layout.out_w});
+  int x = space_to_depth ? add_conv("conv1", "bn1", 0, 64, 4, 1, 0, Epilogue::BiasRelu)
+                         : add_conv("conv1", "bn1", 0, 64, 7, 2, 3, Epilogue::BiasRelu);
   x = add_pool(x, true, 3, 2, 1);
   const int widths[] = {64, 128, 256, 512}, blocks[] = {3, 4, 6, 3};
   for (int l = 0; l < 4; ++l)
@@ -130,7 +159,13 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   std::vector<std::pair<size_t, size_t>> offsets;  // (filter, bias) per convolution
   for (const ConvDef& d : defs_) {
     std::vector<float> w, b;
-    fold(weights, d.name, d.bn, d.spec.shape, d.in == 0 ? 3 : d.spec.shape.c, o_.nhwc, w, b);
+    if (d.in == 0 && space_to_depth) {
+      const ConvShape stem{o_.batch, 3, o_.res, o_.res, 64, 7, 7, 2, 3};
+      fold(weights, d.name, d.bn, stem, 3, true, w, b);
+      w = space_to_depth_filter(w, stem.k, stem.r, stem.c, d.spec.shape.c);
+    } else {
+      fold(weights, d.name, d.bn, d.spec.shape, d.in == 0 ? 3 : d.spec.shape.c, o_.nhwc, w, b);
+    }
     offsets.emplace_back(arena.add(w), arena.add(b));
   }
   const int features = acts_[x].c, classes = 1000;
@@ -141,13 +176,13 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   auto wptr = [&](size_t off) { return static_cast<const char*>(weights_.get()) + off; };
 
   // Input: the contract's fp32 NCHW converted once into this rung's dtype and layout.
-  input_ = DeviceBuffer(size_t(o_.batch) * c_in * o_.res * o_.res * p.bytes);
+  input_ = DeviceBuffer(size_t(o_.batch) * layout.c_pad * layout.out_h * layout.out_w * p.bytes);
   acts_[0].ptr = input_.get();
   if (o_.nhwc) {
     DeviceBuffer staging(input.data.size() * sizeof(float));
     upload(staging.get(), input.data.data(), staging.bytes(), stream_);
     nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), p.storage, o_.batch, 3, o_.res, o_.res,
-                 c_in, stream_);
+                 layout, stream_);
     LADDER_CUDA(cudaStreamSynchronize(stream_));
   } else {
     upload(input_.get(), input.data.data(), input_.bytes(), stream_);
@@ -191,7 +226,8 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
     fused_residual += c.plan().fused && c.spec().epilogue == Epilogue::BiasAddRelu;
   }
   stats["layout"] = o_.nhwc ? "NHWC" : "NCHW";
-  stats["input_channels"] = c_in;
+  stats["input_layout"] = (space_to_depth ? "NHWC, space-to-depth 2x2, " : o_.nhwc ? "NHWC " : "NCHW ") +
+                          shape_str({layout.out_h, layout.out_w, layout.c_pad});
   stats["convs_total"] = int(convs_.size());
   stats["convs_fused"] = fused;
   stats["convs_fused_with_residual"] = fused_residual;
@@ -223,6 +259,8 @@ int ResNet50::add_pool(int in, bool max, int window, int stride, int pad) {
   acts_.push_back({a.c, pool->out_h, pool->out_w});
   pool->in = in;
   pool->out = int(acts_.size()) - 1;
+  pool->ours = max && o_.nhwc && a.c % 8 == 0;
+  pool->shape = {o_.batch, a.c, a.h, a.w, window, stride, pad, pool->out_h, pool->out_w};
   pools_.push_back(std::move(pool));
   steps_.push_back({Step::Pooling, int(pools_.size()) - 1, {in}, int(acts_.size()) - 1});
   return int(acts_.size()) - 1;
@@ -256,7 +294,10 @@ void ResNet50::issue_step(size_t i) const {
     case Step::Conv: convs_[s.index].run(handle_, stream_); break;
     case Step::Pooling: {
       const Pool& p = *pools_[s.index];
-      CUDNN_CHECK(cudnnPoolingForward(handle_, p.desc, &one, p.x, acts_[p.in].ptr, &zero, p.y, acts_[p.out].ptr));
+      if (p.ours)
+        max_pool_forward(acts_[p.in].ptr, acts_[p.out].ptr, nullptr, o_.precision.storage, p.shape, stream_);
+      else
+        CUDNN_CHECK(cudnnPoolingForward(handle_, p.desc, &one, p.x, acts_[p.in].ptr, &zero, p.y, acts_[p.out].ptr));
       break;
     }
     case Step::Fc: fc_->run(stream_); break;

@@ -1,5 +1,6 @@
-// torchvision's ResNet-50 (eval mode) as cuDNN fused convolutions with batch-norm folded in, cuDNN pooling and a
-// cuBLASLt classifier, over an explicit activation memory plan (memory_plan.h).
+// torchvision's ResNet-50 (eval mode) as cuDNN fused convolutions with batch-norm folded in (the stem over a
+// space-to-depth input on tensor cores), pooling (cuDNN's, or our max-pool in NHWC) and a cuBLASLt classifier, over
+// an explicit activation memory plan (memory_plan.h).
 #pragma once
 #include <map>
 #include <memory>
@@ -105,7 +106,7 @@ class ResNet50 : public Network {
     int in, out, residual;
     ConvSpec spec;
   };
-  struct Pool;      // a cuDNN pooling step
+  struct Pool;      // a pooling step
   struct Step {
     enum Kind { Conv, Pooling, Fc } kind;
     int index;             // into convs_ / pools_

@@ -486,7 +486,7 @@ __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__
       positions |= uint64_t(at[j]) << (8 * j);
     }
     store_pack(y, i, out);
-    where[i] = positions;
+    if (where) where[i] = positions;
   }
 }
 

@@ -564,7 +564,7 @@ void ResNet50Train::upload_input(const ladder::HostTensor& x) {
   DeviceBuffer staging(x.data.size() * sizeof(float));
   upload(staging.get(), x.data.data(), staging.bytes(), stream_);
   nchw_to_nhwc(static_cast<const float*>(staging.get()), input_.get(), o_.precision.storage, o_.batch, 3, o_.res,
-               o_.res, c_in_, stream_);
+               o_.res, InputLayout{0, 1, o_.res, o_.res, c_in_}, stream_);
   LADDER_CUDA(cudaStreamSynchronize(stream_));  // before the staging buffer goes
 }
 
