@@ -95,19 +95,28 @@ void fold(const ladder::TensorMap& W, const std::string& conv, const std::string
   }
 }
 
-// The stem's filter [k][r][r][c] (KRSC, stride 2) as the filter of the same convolution over the space-to-depth
-// input (nchw_to_nhwc with block 2): tap (a, b) of channel (u * 2 + v) * c + i is the r x r tap (2a + u, 2b + v) of
-// channel i, zero past the r x r window (an odd window extends by one zero row and column); channels up to c_pad zero.
-std::vector<float> space_to_depth_filter(const std::vector<float>& w, int k, int r, int c, int c_pad) {
-  const int taps = (r + 1) / 2;
-  std::vector<float> out(size_t(k) * taps * taps * c_pad, 0.f);
-  for (int o = 0; o < k; ++o)
-    for (int y = 0; y < r; ++y)
-      for (int x = 0; x < r; ++x)
-        for (int i = 0; i < c; ++i) {
-          const int ch = ((y % 2) * 2 + x % 2) * c + i;
-          out[((size_t(o) * taps + y / 2) * taps + x / 2) * c_pad + ch] = w[((size_t(o) * r + y) * r + x) * c + i];
-        }
+// ResNet's stem (7x7, stride 2, padding 3) between tiled layouts. Input tile (a', b') holds, at pixel (u, v) of its
+// 4x4, image pixel (4a' + u - kStemShift, 4b' + v - kStemShift); output tile (i, j) holds, at channel
+// (dy * 2 + dx) * k + o, output pixel (2i + dy, 2j + dx)'s channel o. Output row 2i + dy reads image rows
+// 4i + 2dy + y - 3 (y < 7), which input tile row i + a holds at u = y + 2 + 2dy - 4a: a 3x3 convolution over the
+// tiles, its tap (a, b) of input channel (u * 4 + v) * c + ch for output channel (dy * 2 + dx) * k + o being the 7x7
+// filter [k][7][7][c]'s tap (4a + u - 2 - 2dy, 4b + v - 2 - 2dx), zero outside the 7x7; channels up to c_pad zero.
+constexpr int kStemShift = 5, kStemTaps = 3;
+std::vector<float> tiled_stem_filter(const std::vector<float>& w, int k, int c, int c_pad) {
+  constexpr int r = 7;
+  std::vector<float> out(size_t(4) * k * kStemTaps * kStemTaps * c_pad, 0.f);
+  for (int tile = 0; tile < 4; ++tile)
+    for (int o = 0; o < k; ++o)
+      for (int a = 0; a < kStemTaps; ++a)
+        for (int b = 0; b < kStemTaps; ++b)
+          for (int u = 0; u < 4; ++u)
+            for (int v = 0; v < 4; ++v) {
+              const int y = 4 * a + u - 2 - 2 * (tile / 2), x = 4 * b + v - 2 - 2 * (tile % 2);
+              if (y < 0 || y >= r || x < 0 || x >= r) continue;
+              for (int ch = 0; ch < c; ++ch)
+                out[(((size_t(tile) * k + o) * kStemTaps + a) * kStemTaps + b) * c_pad + (u * 4 + v) * c + ch] =
+                    w[((size_t(o) * r + y) * r + x) * c + ch];
+            }
   return out;
 }
 
@@ -123,19 +132,21 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   CUDNN_CHECK(cudnnCreate(&handle_));
   CUDNN_CHECK(cudnnSetStream(handle_, stream_));
 
-  // The network, as shapes. The stem is a 7x7 stride-2 convolution over 3 channels. On tensor cores, whose kernels
-  // want 16-byte channel vectors, cuDNN ran it, with the channels zero-padded to 8, on one slow engine (1.79 of 8.56
-  // ms at bf16 batch 256 on the H100). So there the input comes space-to-depth: each 2x2 pixel tile of the padded
-  // image one pixel of 12 channels (zero-padded to 16 bytes' multiple), and the stem is the equal 4x4 stride-1
-  // convolution over it, with no padding (docs/notes/handwritten-toward-the-limit.md).
-  const bool space_to_depth = o_.nhwc && p.tensor_cores();
+  // The network, as shapes. The stem is a 7x7 stride-2 convolution over 3 channels, then a 3x3 stride-2 max-pool.
+  // On tensor cores, whose kernels want 16-byte channel vectors, cuDNN ran that convolution (the channels
+  // zero-padded to 8) on one slow engine: 1.79 of 8.56 ms at bf16 batch 256 on the H100. So there (where its output
+  // size is even) it runs as the equal convolution between tiled layouts (tiled_stem_filter): the input comes in
+  // 4x4 pixel tiles (48 channels; made once at build, as every rung's input is converted), the output goes out in
+  // 2x2 pixel tiles (4 pixels x 64 = 256 channels), and the stem is a 3x3 stride-1 convolution 256 wide, the kind
+  // cuDNN runs fast; our max-pool reads the tiles (docs/notes/handwritten-toward-the-limit.md).
   const int stem_out = (o_.res + 2 * 3 - 7) / 2 + 1;
-  const int c_pad = int(16 / p.bytes), stem_channels = (12 + c_pad - 1) / c_pad * c_pad;
-  const InputLayout layout = space_to_depth ? InputLayout{3, 2, stem_out + 3, stem_out + 3, stem_channels}
-                                            : InputLayout{0, 1, o_.res, o_.res, 3};
+  const bool tiled = o_.nhwc && p.tensor_cores() && stem_out % 2 == 0;
+  const InputLayout layout =
+      tiled ? InputLayout{kStemShift, 4, stem_out / 2 + kStemTaps - 1, stem_out / 2 + kStemTaps - 1, 4 * 4 * 3}
+            : InputLayout{0, 1, o_.res, o_.res, o_.nhwc && p.tensor_cores() ? int(16 / p.bytes) : 3};
   acts_.push_back({layout.c_pad, layout.out_h, layout.out_w});
-  int x = space_to_depth ? add_conv("conv1", "bn1", 0, 64, 4, 1, 0, Epilogue::BiasRelu)
-                         : add_conv("conv1", "bn1", 0, 64, 7, 2, 3, Epilogue::BiasRelu);
+  int x = tiled ? add_conv("conv1", "bn1", 0, 4 * 64, kStemTaps, 1, 0, Epilogue::BiasRelu, -1, 2)
+                : add_conv("conv1", "bn1", 0, 64, 7, 2, 3, Epilogue::BiasRelu);
   x = add_pool(x, true, 3, 2, 1);
   const int widths[] = {64, 128, 256, 512}, blocks[] = {3, 4, 6, 3};
   for (int l = 0; l < 4; ++l)
@@ -159,10 +170,12 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   std::vector<std::pair<size_t, size_t>> offsets;  // (filter, bias) per convolution
   for (const ConvDef& d : defs_) {
     std::vector<float> w, b;
-    if (d.in == 0 && space_to_depth) {
+    if (d.in == 0 && tiled) {
       const ConvShape stem{o_.batch, 3, o_.res, o_.res, 64, 7, 7, 2, 3};
       fold(weights, d.name, d.bn, stem, 3, true, w, b);
-      w = space_to_depth_filter(w, stem.k, stem.r, stem.c, d.spec.shape.c);
+      w = tiled_stem_filter(w, stem.k, stem.c, d.spec.shape.c);
+      std::vector<float> per_channel = b;
+      for (int tile = 1; tile < 4; ++tile) b.insert(b.end(), per_channel.begin(), per_channel.end());
     } else {
       fold(weights, d.name, d.bn, d.spec.shape, d.in == 0 ? 3 : d.spec.shape.c, o_.nhwc, w, b);
     }
@@ -226,7 +239,7 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
     fused_residual += c.plan().fused && c.spec().epilogue == Epilogue::BiasAddRelu;
   }
   stats["layout"] = o_.nhwc ? "NHWC" : "NCHW";
-  stats["input_layout"] = (space_to_depth ? "NHWC, space-to-depth 2x2, " : o_.nhwc ? "NHWC " : "NCHW ") +
+  stats["input_layout"] = (tiled ? "NHWC in 4x4 pixel tiles " : o_.nhwc ? "NHWC " : "NCHW ") +
                           shape_str({layout.out_h, layout.out_w, layout.c_pad});
   stats["convs_total"] = int(convs_.size());
   stats["convs_fused"] = fused;
@@ -241,10 +254,10 @@ ResNet50::~ResNet50() {
 }
 
 int ResNet50::add_conv(const std::string& conv, const std::string& bn, int in, int k, int r, int stride, int pad,
-                       Epilogue e, int residual) {
+                       Epilogue e, int residual, int out_tile) {
   const Act a = acts_[in];
   ConvShape s{o_.batch, a.c, a.h, a.w, k, r, r, stride, pad};
-  acts_.push_back({k, s.p(), s.q()});
+  acts_.push_back({k / (out_tile * out_tile), s.p() * out_tile, s.q() * out_tile, out_tile});
   const int out = int(acts_.size()) - 1;
   defs_.push_back({conv, bn, in, out, residual, ConvSpec{s, e, &o_.precision, o_.nhwc}});
   std::vector<int> reads = {in};
@@ -260,6 +273,7 @@ int ResNet50::add_pool(int in, bool max, int window, int stride, int pad) {
   pool->in = in;
   pool->out = int(acts_.size()) - 1;
   pool->ours = max && o_.nhwc && a.c % 8 == 0;
+  if (a.tile != 1 && !pool->ours) throw std::runtime_error("only our max-pool reads pixel tiles");
   pool->shape = {o_.batch, a.c, a.h, a.w, window, stride, pad, pool->out_h, pool->out_w};
   pools_.push_back(std::move(pool));
   steps_.push_back({Step::Pooling, int(pools_.size()) - 1, {in}, int(acts_.size()) - 1});
@@ -294,7 +308,9 @@ void ResNet50::issue_step(size_t i) const {
     case Step::Conv: convs_[s.index].run(handle_, stream_); break;
     case Step::Pooling: {
       const Pool& p = *pools_[s.index];
-      if (p.ours)
+      if (acts_[p.in].tile == 2)
+        max_pool_tiled_forward(acts_[p.in].ptr, acts_[p.out].ptr, o_.precision.storage, p.shape, stream_);
+      else if (p.ours)
         max_pool_forward(acts_[p.in].ptr, acts_[p.out].ptr, nullptr, o_.precision.storage, p.shape, stream_);
       else
         CUDNN_CHECK(cudnnPoolingForward(handle_, p.desc, &one, p.x, acts_[p.in].ptr, &zero, p.y, acts_[p.out].ptr));

@@ -99,6 +99,7 @@ class ResNet50 : public Network {
  private:
   struct Act {      // one activation of the batch
     int c, h, w;
+    int tile = 1;   // stored in tile x tile pixel tiles, [n][h / tile][w / tile][tile][tile][c] (the tiled stem's)
     void* ptr = nullptr;
   };
   struct ConvDef {  // a convolution before tuning: where its weights come from and what it reads and writes
@@ -115,7 +116,7 @@ class ResNet50 : public Network {
   };
 
   int add_conv(const std::string& conv, const std::string& bn, int in, int k, int r, int stride, int pad, Epilogue e,
-               int residual = -1);
+               int residual = -1, int out_tile = 1);
   int add_pool(int in, bool max, int window, int stride, int pad);
   void plan_memory(ladder::Json& stats);
 

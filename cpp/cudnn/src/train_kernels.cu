@@ -491,6 +491,33 @@ __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__
 }
 
 template <typename T>
+__global__ void max_pool_tiled_forward_kernel(const T* __restrict__ x, T* __restrict__ y, PoolShape s) {
+  const int lanes = s.c / kVec;
+  const size_t packs = size_t(s.n) * s.out_h * s.out_w * lanes;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < packs; i += size_t(gridDim.x) * blockDim.x) {
+    const PoolIndex o(i, lanes, s.out_w, s.out_h);
+    float best[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) best[j] = -INFINITY;
+    // Window rows 2y - 1 .. 2y + 1: the last row of tile row y - 1, both rows of tile row y; the same for columns.
+    for (int row = max(0, 2 * o.y - 1); row <= 2 * o.y + 1; ++row)
+      for (int col = max(0, 2 * o.x - 1); col <= 2 * o.x + 1; ++col) {
+        const size_t tile = (size_t(o.b) * s.out_h + row / 2) * s.out_w + col / 2;
+        const Pack<T> v = load_pack(x, (tile * 4 + (row % 2) * 2 + col % 2) * lanes + o.lane);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float f = to_float(v.v[j]);
+          if (f > best[j] || isnan(f)) best[j] = f;  // as max_pool_forward_kernel (PyTorch's test)
+        }
+      }
+    Pack<T> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(best[j]);
+    store_pack(y, i, out);
+  }
+}
+
+template <typename T>
 __global__ void max_pool_backward_kernel(const T* __restrict__ dy, const uint64_t* __restrict__ where,
                                          T* __restrict__ dx, PoolShape s) {
   const int lanes = s.c / kVec;
@@ -617,6 +644,19 @@ void max_pool_forward(const void* x, void* y, uint8_t* where, Storage st, const 
     using T = decltype(t);
     max_pool_forward_kernel<T><<<blocks_for(packs), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<T*>(y), reinterpret_cast<uint64_t*>(where), s);
+  });
+  LADDER_CUDA(cudaGetLastError());
+}
+
+void max_pool_tiled_forward(const void* x, void* y, Storage st, const PoolShape& s, cudaStream_t stream) {
+  check_pool(s);
+  if (s.window != 3 || s.stride != 2 || s.pad != 1 || s.h != 2 * s.out_h || s.w != 2 * s.out_w)
+    throw std::runtime_error("the tiled max-pool is the 3x3/s2/p1 one over an even image");
+  const size_t packs = size_t(s.n) * s.out_h * s.out_w * (s.c / kVec);
+  with_type(st, [&](auto t) {
+    using T = decltype(t);
+    max_pool_tiled_forward_kernel<T><<<blocks_for(packs), kThreads, 0, stream>>>(static_cast<const T*>(x),
+                                                                                  static_cast<T*>(y), s);
   });
   LADDER_CUDA(cudaGetLastError());
 }
