@@ -129,14 +129,26 @@ def test_training_on_data_takes_the_batches_given_and_matches_eager(binary, tmp_
     check_training_on_data([binary], initial, cell, Protocol(warmup_max=1, iters=1, max_iters=1, util_s=0), tmp_path)
 
 
-def test_memory_plan_never_overlaps_live_tensors(tmp_path):
-    """cpp/cudnn/src/memory_plan.h, built with the host's C++ compiler and run on random step sequences: tensors alive
-    together never share a byte, in-place pairs do, and the plan stays near the most bytes alive at once."""
+def host_test(name: str, tmp_path) -> subprocess.CompletedProcess:
+    """tests/cpp/<name>.cpp, built against cpp/cudnn/src with the host's C++ compiler (no CUDA), and run."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("no C++ compiler on PATH")
-    exe = tmp_path / "memory_plan_test"
-    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{REPO / 'cpp/cudnn/src'}",
-                    str(REPO / "tests/cpp/memory_plan_test.cpp"), "-o", str(exe)], check=True)
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    exe = tmp_path / name
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{REPO / 'cpp/cudnn/src'}", str(REPO / f"tests/cpp/{name}.cpp"),
+                    "-o", str(exe)], check=True)
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+
+
+def test_memory_plan_never_overlaps_live_tensors(tmp_path):
+    """cpp/cudnn/src/memory_plan.h on random step sequences: tensors alive together never share a byte, in-place
+    pairs do, and the plan stays near the most bytes alive at once."""
+    proc = host_test("memory_plan_test", tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout
+
+
+def test_tiled_stem_is_the_7x7_stride_2_convolution(tmp_path):
+    """cpp/cudnn/src/stem.h: the input tiled as the GPU converts it, the tiled filter and the tiled output's pixel
+    order compute ResNet's stem (7x7, stride 2, padding 3, bias, ReLU) on random images of two sizes."""
+    proc = host_test("stem_test", tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout

@@ -14,9 +14,8 @@ __global__ void nchw_to_nhwc_kernel(const float* __restrict__ src, T* __restrict
   const size_t pixel = i / to.c_pad;  // (b, y, x) flattened
   const int x = static_cast<int>(pixel % to.out_w), y = static_cast<int>(pixel / to.out_w % to.out_h);
   const size_t b = pixel / to.out_w / to.out_h;
-  const int tap = ch / c, from = ch % c;  // the tile's pixel, the source channel
-  const int sy = y * to.block + tap / to.block - to.pad, sx = x * to.block + tap % to.block - to.pad;
-  const bool inside = tap < to.block * to.block && sy >= 0 && sy < h && sx >= 0 && sx < w;
+  int from, sy, sx;
+  const bool inside = to.source(y, x, ch, c, h, w, from, sy, sx);
   dst[i] = from_float<T>(inside ? src[((b * c + from) * h + sy) * w + sx] : 0.f);
 }
 

@@ -5,17 +5,11 @@
 #include <cstddef>
 
 #include "common.h"
+#include "stem.h"
 
 namespace rung {
 
-// The contract's fp32 NCHW input to NHWC in the storage type (done once at build): `pad` zero pixels on each
-// border, then each `block` x `block` tile of pixels folded into one pixel's channels (space-to-depth; block 1: plain
-// NHWC), channel (u * block + v) * c + i holding channel i of the tile's pixel (u, v); channels zero-padded to c_pad.
-// The output is [n, out_h, out_w, c_pad]; pixels past the padded image are zero. Zero channels and pixels meet zero
-// filter taps, so the convolution's result is unchanged.
-struct InputLayout {
-  int pad = 0, block = 1, out_h, out_w, c_pad;
-};
+// The contract's fp32 NCHW input in the storage type and `to`'s layout (stem.h), once at build.
 void nchw_to_nhwc(const float* src, void* dst, Storage storage, int n, int c, int h, int w, const InputLayout& to,
                   cudaStream_t stream);
 

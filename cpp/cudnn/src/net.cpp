@@ -95,31 +95,6 @@ void fold(const ladder::TensorMap& W, const std::string& conv, const std::string
   }
 }
 
-// ResNet's stem (7x7, stride 2, padding 3) between tiled layouts. Input tile (a', b') holds, at pixel (u, v) of its
-// 4x4, image pixel (4a' + u - kStemShift, 4b' + v - kStemShift); output tile (i, j) holds, at channel
-// (dy * 2 + dx) * k + o, output pixel (2i + dy, 2j + dx)'s channel o. Output row 2i + dy reads image rows
-// 4i + 2dy + y - 3 (y < 7), which input tile row i + a holds at u = y + 2 + 2dy - 4a: a 3x3 convolution over the
-// tiles, its tap (a, b) of input channel (u * 4 + v) * c + ch for output channel (dy * 2 + dx) * k + o being the 7x7
-// filter [k][7][7][c]'s tap (4a + u - 2 - 2dy, 4b + v - 2 - 2dx), zero outside the 7x7; channels up to c_pad zero.
-constexpr int kStemShift = 5, kStemTaps = 3;
-std::vector<float> tiled_stem_filter(const std::vector<float>& w, int k, int c, int c_pad) {
-  constexpr int r = 7;
-  std::vector<float> out(size_t(4) * k * kStemTaps * kStemTaps * c_pad, 0.f);
-  for (int tile = 0; tile < 4; ++tile)
-    for (int o = 0; o < k; ++o)
-      for (int a = 0; a < kStemTaps; ++a)
-        for (int b = 0; b < kStemTaps; ++b)
-          for (int u = 0; u < 4; ++u)
-            for (int v = 0; v < 4; ++v) {
-              const int y = 4 * a + u - 2 - 2 * (tile / 2), x = 4 * b + v - 2 - 2 * (tile % 2);
-              if (y < 0 || y >= r || x < 0 || x >= r) continue;
-              for (int ch = 0; ch < c; ++ch)
-                out[(((size_t(tile) * k + o) * kStemTaps + a) * kStemTaps + b) * c_pad + (u * 4 + v) * c + ch] =
-                    w[((size_t(o) * r + y) * r + x) * c + ch];
-            }
-  return out;
-}
-
 }  // namespace
 
 ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const ladder::HostTensor& input,
@@ -133,16 +108,12 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
   CUDNN_CHECK(cudnnSetStream(handle_, stream_));
 
   // The network, as shapes. The stem is a 7x7 stride-2 convolution over 3 channels, then a 3x3 stride-2 max-pool.
-  // On tensor cores, whose kernels want 16-byte channel vectors, cuDNN ran that convolution (the channels
-  // zero-padded to 8) on one slow engine: 1.79 of 8.56 ms at bf16 batch 256 on the H100. So there (where its output
-  // size is even) it runs as the equal convolution between tiled layouts (tiled_stem_filter): the input comes in
-  // 4x4 pixel tiles (48 channels; made once at build, as every rung's input is converted), the output goes out in
-  // 2x2 pixel tiles (4 pixels x 64 = 256 channels), and the stem is a 3x3 stride-1 convolution 256 wide, the kind
-  // cuDNN runs fast; our max-pool reads the tiles (docs/notes/handwritten-toward-the-limit.md).
-  const int stem_out = (o_.res + 2 * 3 - 7) / 2 + 1;
-  const bool tiled = o_.nhwc && p.tensor_cores() && stem_out % 2 == 0;
+  // On tensor cores (where its output size is even) the convolution runs between tiled layouts (stem.h): the input
+  // in 4x4 pixel tiles, made once at build as every rung's input is converted, the output in 2x2 pixel tiles, which
+  // our max-pool reads. Elsewhere NHWC, its channels zero-padded to 16 bytes for tensor cores, or NCHW.
+  const bool tiled = o_.nhwc && p.tensor_cores() && stem_output(o_.res) % 2 == 0;
   const InputLayout layout =
-      tiled ? InputLayout{kStemShift, 4, stem_out / 2 + kStemTaps - 1, stem_out / 2 + kStemTaps - 1, 4 * 4 * 3}
+      tiled ? tiled_stem_input(o_.res)
             : InputLayout{0, 1, o_.res, o_.res, o_.nhwc && p.tensor_cores() ? int(16 / p.bytes) : 3};
   acts_.push_back({layout.c_pad, layout.out_h, layout.out_w});
   int x = tiled ? add_conv("conv1", "bn1", 0, 4 * 64, kStemTaps, 1, 0, Epilogue::BiasRelu, -1, 2)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "stem.h"
 #include "typed.cuh"
 
 namespace rung {
@@ -502,8 +503,7 @@ __global__ void max_pool_tiled_forward_kernel(const T* __restrict__ x, T* __rest
     // Window rows 2y - 1 .. 2y + 1: the last row of tile row y - 1, both rows of tile row y; the same for columns.
     for (int row = max(0, 2 * o.y - 1); row <= 2 * o.y + 1; ++row)
       for (int col = max(0, 2 * o.x - 1); col <= 2 * o.x + 1; ++col) {
-        const size_t tile = (size_t(o.b) * s.out_h + row / 2) * s.out_w + col / 2;
-        const Pack<T> v = load_pack(x, (tile * 4 + (row % 2) * 2 + col % 2) * lanes + o.lane);
+        const Pack<T> v = load_pack(x, tiled_pixel(o.b, row, col, s.out_h, s.out_w) * lanes + o.lane);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const float f = to_float(v.v[j]);
