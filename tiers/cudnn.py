@@ -1,7 +1,8 @@
 """The bottom rung: ResNet-50 straight from cuDNN's graph API (convolutions with bias, residual add and ReLU fused),
 cuDNN's average pooling, a cuBLASLt classifier and a little CUDA of our own (max-pooling in NHWC; cpp/cudnn). On
-tensor cores its input is space-to-depth (2x2 pixel tiles as 12 channels), made once at build like any rung's input
-conversion, so that the stem is a 4x4 stride-1 convolution cuDNN runs fast. It is built on demand against the
+tensor cores its stem runs between tiled layouts (cpp/cudnn/src/stem.h): the input in 4x4 pixel tiles (48 channels,
+made once at build like any rung's input conversion), the output in 2x2 pixel tiles, so that the 7x7 stride-2
+convolution is a 3x3 stride-1 one 256 wide, which cuDNN runs fast. It is built on demand against the
 cuDNN and cuBLASLt that PyTorch itself loads (its NVIDIA pip wheels), with the toolkit's nvcc.
 
 It trains too (`--task train`, cpp/cudnn/src/train_net.h): the three passes of every convolution by cuDNN (a block's
