@@ -1,6 +1,6 @@
-// torchvision's ResNet-50 (eval mode) as cuDNN fused convolutions with batch-norm folded in (the stem over a
-// space-to-depth input on tensor cores), pooling (cuDNN's, or our max-pool in NHWC) and a cuBLASLt classifier, over
-// an explicit activation memory plan (memory_plan.h).
+// torchvision's ResNet-50 (eval mode) as cuDNN fused convolutions with batch-norm folded in (on tensor cores the
+// stem between tiled layouts, stem.h), pooling (cuDNN's, or our max-pool in NHWC) and a cuBLASLt classifier, over an
+// explicit activation memory plan (memory_plan.h).
 #pragma once
 #include <map>
 #include <memory>
