@@ -44,8 +44,8 @@ void bn_backward(const void* dy, const void* y, const float* affine, const void*
 // Max-pooling, NHWC (PyTorch's: padding never wins, the first maximum in the window's row-major order does). In
 // training the forward keeps, per output element, its window position (one byte; inference passes where = nullptr);
 // the backward gathers, for each input, the gradients of the outputs whose maximum it was: no atomics, so
-// deterministic. cuDNN's pooling backward,
-// which rereads x and y, took 1.5 ms of an H200's bf16 batch-256 step for this one layer.
+// deterministic. cuDNN's pooling backward, which rereads x and y, took 1.5 ms of an H200's bf16 batch-256 step for
+// this one layer.
 struct PoolShape {
   int n, c, h, w, window, stride, pad, out_h, out_w;
 };
