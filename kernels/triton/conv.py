@@ -163,11 +163,10 @@ SPACE_TO_DEPTH_CHANNELS = 16  # a 2x2 tile of 3 channels, zero-padded: 32-byte (
 
 @dataclass
 class SpaceToDepth:
-    """The stride-2 convolution a space-to-depth packing stands for: its padding, window and input channels."""
+    """The stride-2 convolution a space-to-depth packing stands for: its padding and window."""
 
     pad: int
     window: int
-    channels: int
 
 
 def space_to_depth(x: torch.Tensor, s: SpaceToDepth, tune: bool = True) -> torch.Tensor:
@@ -240,7 +239,7 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         if stride != 2 or w.shape[1] * 4 > SPACE_TO_DEPTH_CHANNELS or w.shape[2] != w.shape[3]:
             raise ValueError(f"space-to-depth packs a square stride-2 convolution of at most 4 input channels, not "
                              f"{tuple(w.shape)} with stride {stride}")
-        s2d = SpaceToDepth(pad, w.shape[2], w.shape[1])
+        s2d = SpaceToDepth(pad, w.shape[2])
         w, stride, pad = space_to_depth_filter(w), 1, 0
     cout, cin, kh, kw = w.shape
     packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
