@@ -279,10 +279,9 @@ void ResNet50::issue_step(size_t i) const {
     case Step::Conv: convs_[s.index].run(handle_, stream_); break;
     case Step::Pooling: {
       const Pool& p = *pools_[s.index];
-      if (acts_[p.in].tile == 2)
-        max_pool_tiled_forward(acts_[p.in].ptr, acts_[p.out].ptr, o_.precision.storage, p.shape, stream_);
-      else if (p.ours)
-        max_pool_forward(acts_[p.in].ptr, acts_[p.out].ptr, nullptr, o_.precision.storage, p.shape, stream_);
+      if (p.ours)
+        max_pool_forward(acts_[p.in].ptr, acts_[p.out].ptr, nullptr, o_.precision.storage, p.shape,
+                         acts_[p.in].tile == 2, stream_);
       else
         CUDNN_CHECK(cudnnPoolingForward(handle_, p.desc, &one, p.x, acts_[p.in].ptr, &zero, p.y, acts_[p.out].ptr));
       break;

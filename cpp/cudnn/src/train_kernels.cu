@@ -457,7 +457,8 @@ struct PoolIndex {
         lane(int(i % lanes)) {}
 };
 
-template <typename T>
+// Tiled: x stored in 2x2 pixel tiles (stem.h tiled_pixel).
+template <typename T, bool Tiled>
 __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__ y, uint64_t* __restrict__ where,
                                         PoolShape s) {
   const int lanes = s.c / kVec;
@@ -472,7 +473,10 @@ __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__
     for (int j = 0; j < kVec; ++j) best[j] = -INFINITY, at[j] = r0 * s.window + c0;  // the first position in x
     for (int r = r0; r < s.window && top + r < s.h; ++r)
       for (int c = c0; c < s.window && left + c < s.w; ++c) {
-        const Pack<T> v = load_pack(x, ((size_t(o.b) * s.h + top + r) * s.w + left + c) * lanes + o.lane);
+        const int row = top + r, col = left + c;
+        const size_t pixel =
+            Tiled ? tiled_pixel(o.b, row, col, s.h / 2, s.w / 2) : (size_t(o.b) * s.h + row) * s.w + col;
+        const Pack<T> v = load_pack(x, pixel * lanes + o.lane);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const float f = to_float(v.v[j]);
@@ -488,32 +492,6 @@ __global__ void max_pool_forward_kernel(const T* __restrict__ x, T* __restrict__
     }
     store_pack(y, i, out);
     if (where) where[i] = positions;
-  }
-}
-
-template <typename T>
-__global__ void max_pool_tiled_forward_kernel(const T* __restrict__ x, T* __restrict__ y, PoolShape s) {
-  const int lanes = s.c / kVec;
-  const size_t packs = size_t(s.n) * s.out_h * s.out_w * lanes;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < packs; i += size_t(gridDim.x) * blockDim.x) {
-    const PoolIndex o(i, lanes, s.out_w, s.out_h);
-    float best[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) best[j] = -INFINITY;
-    // Window rows 2y - 1 .. 2y + 1: the last row of tile row y - 1, both rows of tile row y; the same for columns.
-    for (int row = max(0, 2 * o.y - 1); row <= 2 * o.y + 1; ++row)
-      for (int col = max(0, 2 * o.x - 1); col <= 2 * o.x + 1; ++col) {
-        const Pack<T> v = load_pack(x, tiled_pixel(o.b, row, col, s.out_h, s.out_w) * lanes + o.lane);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float f = to_float(v.v[j]);
-          if (f > best[j] || isnan(f)) best[j] = f;  // as max_pool_forward_kernel (PyTorch's test)
-        }
-      }
-    Pack<T> out;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out.v[j] = from_float<T>(best[j]);
-    store_pack(y, i, out);
   }
 }
 
@@ -637,26 +615,16 @@ static void check_pool(const PoolShape& s) {
   if (s.window * s.window > 256) throw std::runtime_error("max-pooling window over 16x16: positions need a byte");
 }
 
-void max_pool_forward(const void* x, void* y, uint8_t* where, Storage st, const PoolShape& s, cudaStream_t stream) {
+void max_pool_forward(const void* x, void* y, uint8_t* where, Storage st, const PoolShape& s, bool tiled,
+                      cudaStream_t stream) {
   check_pool(s);
+  if (tiled && (s.h % 2 || s.w % 2)) throw std::runtime_error("a 2x2-tiled activation has an even height and width");
   const size_t packs = size_t(s.n) * s.out_h * s.out_w * (s.c / kVec);
   with_type(st, [&](auto t) {
     using T = decltype(t);
-    max_pool_forward_kernel<T><<<blocks_for(packs), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<T*>(y), reinterpret_cast<uint64_t*>(where), s);
-  });
-  LADDER_CUDA(cudaGetLastError());
-}
-
-void max_pool_tiled_forward(const void* x, void* y, Storage st, const PoolShape& s, cudaStream_t stream) {
-  check_pool(s);
-  if (s.window != 3 || s.stride != 2 || s.pad != 1 || s.h != 2 * s.out_h || s.w != 2 * s.out_w)
-    throw std::runtime_error("the tiled max-pool is the 3x3/s2/p1 one over an even image");
-  const size_t packs = size_t(s.n) * s.out_h * s.out_w * (s.c / kVec);
-  with_type(st, [&](auto t) {
-    using T = decltype(t);
-    max_pool_tiled_forward_kernel<T><<<blocks_for(packs), kThreads, 0, stream>>>(static_cast<const T*>(x),
-                                                                                  static_cast<T*>(y), s);
+    auto kernel = tiled ? max_pool_forward_kernel<T, true> : max_pool_forward_kernel<T, false>;
+    kernel<<<blocks_for(packs), kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(y),
+                                                      reinterpret_cast<uint64_t*>(where), s);
   });
   LADDER_CUDA(cudaGetLastError());
 }

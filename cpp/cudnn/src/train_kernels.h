@@ -49,12 +49,11 @@ void bn_backward(const void* dy, const void* y, const float* affine, const void*
 struct PoolShape {
   int n, c, h, w, window, stride, pad, out_h, out_w;
 };
-void max_pool_forward(const void* x, void* y, uint8_t* where, Storage st, const PoolShape& s, cudaStream_t stream);
+// tiled: x is stored in 2x2 pixel tiles (net.h Act::tile, the tiled stem's output); y never is.
+void max_pool_forward(const void* x, void* y, uint8_t* where, Storage st, const PoolShape& s, bool tiled,
+                      cudaStream_t stream);
 void max_pool_backward(const void* dy, const uint8_t* where, void* dx, Storage st, const PoolShape& s,
                        cudaStream_t stream);
-// The 3x3 stride-2 max-pool (padding 1) of an activation stored in 2x2 pixel tiles (net.h Act::tile): `s` its
-// shape as pixels; each output pixel is one tile.
-void max_pool_tiled_forward(const void* x, void* y, Storage st, const PoolShape& s, cudaStream_t stream);
 
 // Softmax cross-entropy against core/train.py's labels ((i * 7919) % classes), mean over the batch: dlogits =
 // (softmax - onehot) / batch in the storage type; the step's loss goes to last_loss and, while *count < capacity,

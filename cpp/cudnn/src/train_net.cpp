@@ -515,7 +515,7 @@ void ResNet50Train::run(const Step& s) const {
       const PoolUnit& u = *pools_[s.unit];
       if (u.max)
         max_pool_forward(ptr(u.input), ptr(u.output), static_cast<uint8_t*>(ptr(u.where)), p.storage, u.shape,
-                         stream_);
+                         false, stream_);
       else
         CUDNN_CHECK(cudnnPoolingForward(handle_, u.desc, &one, u.x, ptr(u.input), &zero, u.y, ptr(u.output)));
       break;
