@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
 from core.model import build_model  # noqa: E402
-from kernels.triton.conv import conv2d, pack_conv  # noqa: E402
+from kernels.triton.conv import _fixed, _split_buffers, conv2d, pack_conv  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
 from core.cell import Cell, Store  # noqa: E402
@@ -43,6 +43,8 @@ CONV_CASES = [
     (3, 19, 33, 7, 9, 1, 1, 0, True, False),  # 1x1: a GEMM, residual without ReLU
     (3, 19, 33, 7, 8, 1, 2, 0, False, False),  # 1x1/s2: the downsample shortcut
     (2, 4, 9, 8, 12, 3, 2, 1, True, True),  # 3x3/s2 over 4 channels: space-to-depth fills all 16 channels
+    (1, 256, 40, 3, 3, 3, 1, 1, True, True),  # layer4's 3x3 at batch 1 in miniature: one output tile, K split in 8
+    (1, 1024, 33, 1, 1, 1, 1, 0, False, False),  # the classifier at batch 1: a long K split in 4
 ]
 
 
@@ -74,6 +76,17 @@ def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
     else:
         with pytest.raises(ValueError, match="space-to-depth packs a square stride-2 convolution"):
             pack_conv(weight, stride, pad, bias=bias, space_to_depth=True)
+
+
+def test_split_k_adds_its_slices_the_same_each_launch_and_leaves_its_counters_at_zero():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, 256, 3, 3), torch.randn(40, 256, 3, 3), torch.randn(40)
+    assert _fixed(m=9, cout=40, kh=3, row=3 * 256, elem=4)["SPLIT_K"] == 8  # this test's subject
+    packed = pack_conv(weight, 1, 1, bias=bias)
+    first = conv2d(nhwc(x), packed)
+    close(nchw(first), F.relu(F.conv2d(x, weight, bias, 1, 1)))
+    assert _split_buffers(x.device)[1].eq(0).all()  # every tile's counter reset by its last slice
+    assert conv2d(nhwc(x), packed).equal(first)  # a second launch counts from zero and adds in the same order
 
 
 def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():

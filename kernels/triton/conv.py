@@ -20,6 +20,15 @@ is scaled by its layer's calibrated 1 / scale (one per tensor) and rounded to e4
 is scaled back by both scales before the epilogue. Hopper's FP8 (and TF32) tensor
 core instructions read B with K contiguous, so those weights are packed K-major ([COUT, K]); bf16 and strict-fp32
 weights keep COUT contiguous.
+
+Split-K, for the late layers at small batches: at batch 1, layer4's 3x3 convolution has 49 output pixels and 512
+channels, a handful of output tiles, each with a K of 4608 to walk; a handful of SMs stream 4.7 MB of weights
+while the other 120 idle. With SPLIT_K > 1, each tile's K is cut into SPLIT_K slices, one program each. Every
+program stores its fp32 partial tile in a workspace and counts itself in on the tile's counter; the last to arrive
+adds the partials in slice order (the sum is the same whichever program comes last), runs the epilogue and resets
+the counter to zero for the next launch. One kernel still, no memset and no separate reduction launch. The
+workspace and counters are shared by every launch on a device, which is sound because launches on one stream run
+one after another.
 """
 from __future__ import annotations
 
@@ -34,41 +43,94 @@ from kernels.triton.tuning import INTERPRET, autotune, launch
 SMEM_BYTES = 200 * 1024  # shared memory a config's pipeline may use (H100: 227 KiB per block, less Triton's own)
 
 
-def _config(bm, bn, bk, stages, warps):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+def _config(bm, bn, bk, stages, warps, split=1):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_stages=stages,
+                         num_warps=warps)
 
 
-# Large tiles for the big batches, narrow ones for batch 1 (few output pixels: more programs, fuller GPU).
+# Split-K's bounds: a partial tile holds at most SPLIT_TILE fp32 values, and a split launch has at most
+# SPLIT_PROGRAMS programs (two waves of an H100's or H200's 132 SMs), so one workspace of their product serves all.
+SPLIT_TILE, SPLIT_PROGRAMS = 64 * 128, 264
+
+# Large tiles for the big batches, narrow ones for batch 1 (few output pixels: more programs, fuller GPU), and
+# split-K over narrow tiles for the layers that have too few output tiles to fill the GPU (kept by _prune only there).
 CONFIGS = [_config(128, 256, 64, 3, 8), _config(128, 128, 64, 3, 8), _config(128, 128, 64, 4, 4),
            _config(128, 64, 64, 4, 4), _config(64, 128, 64, 4, 4), _config(64, 64, 64, 4, 4),
-           _config(32, 64, 64, 4, 4), _config(32, 32, 128, 4, 4)]
+           _config(32, 64, 64, 4, 4), _config(32, 32, 128, 4, 4)] + [
+    _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
+
+
+def _steps(kh: int, row: int, bk: int) -> int:
+    """K tiles one output tile walks: window rows times K tiles per row."""
+    return kh * triton.cdiv(row, bk)
+
+
+def _split_fits(split: int, tiles: int, steps: int, bm: int, bn: int) -> bool:
+    """Whether `split` slices are worth it and fit the shared workspace: each slice walks at least two K tiles."""
+    return split == 1 or (bm * bn <= SPLIT_TILE and split * tiles <= SPLIT_PROGRAMS and steps >= 2 * split)
 
 
 def _prune(configs, args, **_):
     """Fit the config list to one convolution: halve K tiles for 4-byte types (same shared memory), shrink them to
-    the window row (the stem's row is 21 elements), drop tiles larger than the problem or the shared memory."""
-    elem, row = args["x_ptr"].element_size(), args["KW"] * args["CIN"]
+    the window row (the stem's row is 21 elements), drop tiles larger than the problem or the shared memory, and
+    split-K wherever the output tiles alone would fill the GPU or its slices would be too short."""
+    elem, row, m, cout = args["x_ptr"].element_size(), args["KW"] * args["CIN"], args["M"], args["COUT"]
     kept = {}
     for c in configs:
-        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        bm, bn, bk, split = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
         bk = min(bk // 2 if elem == 4 else bk, max(16, triton.next_power_of_2(row)))
-        too_big = bm > max(32, triton.next_power_of_2(args["M"])) or bn > max(32, triton.next_power_of_2(args["COUT"]))
-        if too_big or c.num_stages * (bm + bn) * bk * elem > SMEM_BYTES:
+        too_big = bm > max(32, triton.next_power_of_2(m)) or bn > max(32, triton.next_power_of_2(cout))
+        tiles = triton.cdiv(m, bm) * triton.cdiv(cout, bn)
+        if (too_big or c.num_stages * (bm + bn) * bk * elem > SMEM_BYTES
+                or not _split_fits(split, tiles, _steps(args["KH"], row, bk), bm, bn)):
             continue
-        kept.setdefault((bm, bn, bk, c.num_stages, c.num_warps), _config(bm, bn, bk, c.num_stages, c.num_warps))
+        kept.setdefault((bm, bn, bk, split, c.num_stages, c.num_warps),
+                        _config(bm, bn, bk, c.num_stages, c.num_warps, split))
     return list(kept.values()) or [_config(32, 32, 16, 2, 4)]
 
 
-def _fixed(m, cout, row, elem):
+def _fixed(m, cout, kh, row, elem):
     """The one config used untuned (autotune off: tiles sized to the problem; interpreter: the largest tiles, since
-    it runs each tile operation as one numpy call, so fewer, bigger tiles are much faster)."""
+    it runs each tile operation as one numpy call, so fewer, bigger tiles are much faster), split-K as deep as
+    _split_fits allows."""
     if INTERPRET:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=min(128, max(16, triton.next_power_of_2(row))), num_warps=4,
-                    num_stages=2)
-    bm = 128 if m >= 16384 else 64 if m >= 2048 else 32
-    bn = 128 if cout >= 128 and bm >= 64 else 64
-    bk = min(64 if elem < 4 else 32, max(16, triton.next_power_of_2(row)))
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bm * bn >= 16384 else 4, num_stages=3)
+        bm, bn, bk, warps, stages = 64, 128, min(128, max(16, triton.next_power_of_2(row))), 4, 2
+    else:
+        bm = 128 if m >= 16384 else 64 if m >= 2048 else 32
+        bn = 128 if cout >= 128 and bm >= 64 else 64
+        bk = min(64 if elem < 4 else 32, max(16, triton.next_power_of_2(row)))
+        warps, stages = 8 if bm * bn >= 16384 else 4, 3
+    tiles, steps = triton.cdiv(m, bm) * triton.cdiv(cout, bn), _steps(kh, row, bk)
+    split = max(s for s in (1, 2, 4, 8, 16) if _split_fits(s, tiles, steps, bm, bn))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
+_SPLIT_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's workspace (fp32 partial tiles) and per-tile arrival counters (zero between launches) on `device`."""
+    if device not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[device] = (torch.empty(SPLIT_PROGRAMS * SPLIT_TILE, device=device, dtype=torch.float32),
+                                  torch.zeros(SPLIT_PROGRAMS, device=device, dtype=torch.int32))
+    return _SPLIT_BUFFERS[device]
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
+              HAS_RES: tl.constexpr, RELU: tl.constexpr, FP8: tl.constexpr):
+    """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual, ReLU; stored."""
+    m_ok, n_ok = offs_m < M, offs_n < COUT
+    if FP8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    y_offs = offs_m[:, None] * COUT + offs_n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
@@ -78,18 +140,21 @@ def conv2d_nhwc_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [K, COUT] or K-major [COUT, K] (K = KH*KW*CIN);
         M, H, W, CIN, OH, OW, COUT,              # bias [COUT] fp32; res, y [M, COUT]
         scale_ptr, a_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the input's
+        part_ptr, count_ptr,  # split-K: fp32 partial tiles [SPLIT_K, tiles, BLOCK_M, BLOCK_N]; int32 counters [tiles]
         KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
         FP8: tl.constexpr, W_KMAJOR: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr = 8):
-    # Which output tile: programs are numbered in groups of GROUP_M tiles down M, so programs running together share
-    # the same weight tiles (and neighbouring input rows) in L2.
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+        GROUP_M: tl.constexpr = 8):
+    # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
+    # programs running together share the same weight tiles (and neighbouring input rows) in L2.
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(COUT, BLOCK_N)
-    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    tile = pid % (num_m * num_n)
+    first_m = (tile // (GROUP_M * num_n)) * GROUP_M
     group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_m
-    pid_n = (pid % (GROUP_M * num_n)) // group_m
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_m
+    pid_n = (tile % (GROUP_M * num_n)) // group_m
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow) of this tile
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of this tile
@@ -104,9 +169,15 @@ def conv2d_nhwc_kernel(
 
     ROW = KW * CIN  # elements in one window row, contiguous in memory
     k_steps = tl.cdiv(ROW, BLOCK_K)
+    if SPLIT_K == 1:
+        first, last = 0, KH * k_steps
+    else:
+        per_slice = tl.cdiv(KH * k_steps, SPLIT_K)
+        first = (pid // (num_m * num_n)) * per_slice
+        last = tl.minimum(first + per_slice, KH * k_steps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # One flat loop over (window row kh, K tile in that row), so Triton software-pipelines all of it.
-    for step in range(KH * k_steps):
+    for step in range(first, last):
         kh = step // k_steps
         kk = (step % k_steps) * BLOCK_K + offs_k  # positions inside the window row
         ih = ih0 + kh
@@ -125,17 +196,20 @@ def conv2d_nhwc_kernel(
         b = tl.load(b_ptrs, mask=(kk < ROW)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
 
-    # Epilogue, on the fp32 tile before it leaves the chip: folded batch-norm bias, residual, ReLU.
-    if FP8:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_offs = offs_m[:, None] * COUT + offs_n[None, :]
-    y_mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
-    if RELU:
-        acc = tl.maximum(acc, 0.0)
-    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    if SPLIT_K == 1:
+        _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, HAS_RES, RELU, FP8)
+    else:
+        tiles = num_m * num_n
+        in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part_ptr + (pid * BLOCK_M * BLOCK_N + in_tile), acc)  # pid = slice * tiles + tile
+        tl.debug_barrier()  # every thread's part of the partial stored before the counter says it is
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the tile's slices
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k_slice in range(SPLIT_K):  # in slice order: the same sum whichever slice came last
+                acc += tl.load(part_ptr + ((k_slice * tiles + tile) * BLOCK_M * BLOCK_N + in_tile),
+                               cache_modifier=".cg")  # from L2, where the other SMs' partials are
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+            _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, HAS_RES, RELU, FP8)
 
 
 @autotune([triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)],
@@ -269,10 +343,11 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
     m = n * oh * ow
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]) * meta["SPLIT_K"],)
 
     args = (x, p.weight, p.bias, y if residual is None else residual, y, m, h, w, cin, oh, ow, cout,
             p.scale if p.fp8 else p.bias, p.input_inv,  # the bias stands in for the unused scale pointer
-            p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor)
-    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kw * cin, x.element_size()))
+            *_split_buffers(x.device), p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8,
+            p.kmajor)
+    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size()))
     return y
