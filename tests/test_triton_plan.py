@@ -1,5 +1,6 @@
-"""The Triton rung's launch plan (kernels/triton/plan.py): on the GPU, a planned forward gives the bits of Triton's
-own launch path on every new input; on the CPU, where the interpreter compiles nothing, the rung refuses it."""
+"""The Triton rung's launch plan (kernels/triton/plan.py) and dependent launches (kernels/triton/pdl.py): on the GPU,
+a planned forward of dependent launches gives the bits of Triton's own launch path without them on every new input;
+on the CPU, where the interpreter compiles nothing and has no dependent launches, the rung refuses both."""
 import os
 import subprocess
 import sys
@@ -20,12 +21,17 @@ from tiers.triton import TIER
 
 net = build_model("resnet18").cuda().eval()
 xs = [torch.randn(2, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
-def built(launch):
+def built(launch, pdl):
     cell = Cell(tier="triton", model="resnet18", batch=2, res=64, device="cuda", channels_last=True,
-                options=(("autotune", "off"), ("launch", launch)))
+                options=(("autotune", "off"), ("launch", launch), ("pdl", pdl)))
     return TIER.build(net, xs[0], cell, Store())
-jit, planned = built("jit"), built("plan")
+# Triton's own launches one after another, against the recorded forward replayed with programmatic dependent
+# launches (each kernel starting before the one before has ended): the same bits on every input.
+jit, planned = built("jit", "off"), built("plan", "on")
 assert planned.stats["launch"] == "plan" and jit.stats["launch"] == "jit"
+assert planned.stats["pdl"] == "on" and jit.stats["pdl"] == "off"
+(plan,) = planned.forward.plans.values()
+assert all(launch.kernel.metadata.launch_pdl for launch in plan.launches)
 with torch.no_grad():
     outs = []
     for x in xs + xs[:1]:  # each new input read where the recorded forward read its own
@@ -41,6 +47,13 @@ print("plan ok")
 def test_a_plan_is_refused_where_triton_compiles_nothing():
     cell = Cell(tier="triton", model="resnet18", batch=1, res=32, device="cpu", options=(("launch", "plan"),))
     assert "interpreter" in TIER.supports(cell)
+
+
+def test_dependent_launches_are_the_gpus_default_and_refused_on_the_cpu():
+    assert TIER.option_default("pdl", "cuda") == "on" and TIER.option_default("pdl", "cpu") == "off"
+    cell = Cell(tier="triton", model="resnet18", batch=1, res=32, device="cpu", options=(("pdl", "on"),))
+    assert "programmatic dependent launch" in TIER.supports(cell)
+    assert TIER.supports(Cell(tier="triton", model="resnet18", batch=1, res=32, device="cpu")) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -61,7 +61,9 @@ class TritonTier(PythonTier):
     # launch: each kernel through Triton's own launch path (jit; the CPU's default), or a forward recorded once and
     # replayed through the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the
     # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
-    options = {"autotune": ("on", "off"), "launch": ("jit", "plan")}
+    # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes
+    # (kernels/triton/pdl.py; the GPU's default, run from Hopper on, and the build stats say whether it ran).
+    options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("on", "off")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
@@ -70,6 +72,8 @@ class TritonTier(PythonTier):
     def option_default(self, key: str, device: str) -> str | None:
         if key == "launch":  # the interpreter (the CPU) compiles nothing to replay
             return "plan" if device == "cuda" else "jit"
+        if key == "pdl":  # the interpreter has no grid dependency control
+            return "on" if device == "cuda" else "off"
         return super().option_default(key, device)
 
     def availability(self, device: str) -> str | None:
@@ -84,6 +88,8 @@ class TritonTier(PythonTier):
     def supports(self, cell: Cell) -> str | None:
         if self.setting(cell, "launch") == "plan" and cell.device != "cuda":
             return "launch=plan replays compiled kernels, which the interpreter (the CPU) does not make"
+        if self.setting(cell, "pdl") == "on" and cell.device != "cuda":
+            return "pdl=on is a GPU's programmatic dependent launch, which the interpreter (the CPU) does not have"
         return super().supports(cell)
 
     def build(self, model, example, cell: Cell, store: Store) -> Built:
@@ -94,8 +100,10 @@ class TritonTier(PythonTier):
         tuned_file = store.cache / "tuned.json" if store.cache else None
         tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
         fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
+        # Programmatic dependent launch exists from Hopper (compute capability 9.0) on; before it, pdl=on runs off.
+        pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
-                           planned=self.setting(cell, "launch") == "plan")
+                           planned=self.setting(cell, "launch") == "plan", pdl=pdl)
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -117,6 +125,7 @@ class TritonTier(PythonTier):
             "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
             "launches_per_forward": net.launches,
             "launch": "plan" if net.planned else "jit",  # Triton's launch path, or a recorded forward replayed
+            "pdl": "on" if pdl else "off",  # programmatic dependent launches, as run
             **({"fp8": FP8_RECIPE} if fp8 else {}),
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 
 SMEM_BYTES = 200 * 1024  # shared memory a config's pipeline may use (H100: 227 KiB per block, less Triton's own)
@@ -145,7 +146,7 @@ def conv2d_nhwc_kernel(
         HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
         FP8: tl.constexpr, W_KMAJOR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-        GROUP_M: tl.constexpr = 8):
+        GROUP_M: tl.constexpr = 8, GDC: tl.constexpr = False):
     # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
     # programs running together share the same weight tiles (and neighbouring input rows) in L2.
     pid = tl.program_id(0)
@@ -168,6 +169,7 @@ def conv2d_nhwc_kernel(
     iw0 = ow * STRIDE - PAD
 
     ROW = KW * CIN  # elements in one window row, contiguous in memory
+    wait_for_prior_kernel(GDC)  # nothing above touched memory
     k_steps = tl.cdiv(ROW, BLOCK_K)
     if SPLIT_K == 1:
         first, last = 0, KH * k_steps
@@ -205,7 +207,8 @@ def conv2d_nhwc_kernel(
         tl.debug_barrier()  # every thread's part of the partial stored before the counter says it is
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the tile's slices
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k_slice in range(SPLIT_K):  # in slice order: the same sum whichever slice came last
+            for k_slice in tl.static_range(SPLIT_K):  # in slice order: the same sum whichever slice came last;
+                # unrolled, so the loads of all slices are in flight together, not one L2 round trip per slice
                 acc += tl.load(part_ptr + ((k_slice * tiles + tile) * BLOCK_M * BLOCK_N + in_tile),
                                cache_modifier=".cg")  # from L2, where the other SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
@@ -216,8 +219,9 @@ def conv2d_nhwc_kernel(
           key=["TOTAL", "CIN"])
 @triton.jit
 def space_to_depth_kernel(x_ptr, z_ptr, TOTAL, H, W, ZH, ZW, CIN: tl.constexpr, CZ: tl.constexpr,
-                          PAD: tl.constexpr, BLOCK: tl.constexpr):
+                          PAD: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
     # z[n, i, j, (u * 2 + v) * CIN + c] = x[n, 2i + u - PAD, 2j + v - PAD, c]; zero outside x and past 4 * CIN.
+    wait_for_prior_kernel(GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ch = offs % CZ
     pixel = offs // CZ
@@ -243,7 +247,7 @@ class SpaceToDepth:
     window: int
 
 
-def space_to_depth(x: torch.Tensor, s: SpaceToDepth, tune: bool = True) -> torch.Tensor:
+def space_to_depth(x: torch.Tensor, s: SpaceToDepth, tune: bool = True, pdl: bool = False) -> torch.Tensor:
     """NHWC `x` [N, H, W, C] -> [N, ZH, ZW, 16], ZH the stride-2 convolution's output height plus its 4x4 window's
     3, so that the 4x4 stride-1 convolution over it has the same output."""
     n, h, w, c = x.shape
@@ -256,7 +260,7 @@ def space_to_depth(x: torch.Tensor, s: SpaceToDepth, tune: bool = True) -> torch
         return (triton.cdiv(total, meta["BLOCK"]),)
 
     launch(space_to_depth_kernel, grid, (x, z, total, h, w, zh, zw, c, SPACE_TO_DEPTH_CHANNELS, s.pad), tune,
-           dict(BLOCK=1024, num_warps=4, num_stages=2))
+           dict(BLOCK=1024, num_warps=4, num_stages=2), pdl)
     return z
 
 
@@ -332,10 +336,11 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
 
 
 def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
-           precision: str = "ieee", tune: bool = True) -> torch.Tensor:
-    """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN])."""
+           precision: str = "ieee", tune: bool = True, pdl: bool = False) -> torch.Tensor:
+    """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN]). `pdl`: launched as a
+    programmatic dependent launch (kernels/triton/pdl.py)."""
     if p.space_to_depth:
-        x = space_to_depth(x, p.space_to_depth, tune)
+        x = space_to_depth(x, p.space_to_depth, tune, pdl)
     n, h, w, cin = x.shape
     cout = p.cout
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
@@ -349,5 +354,5 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
             p.scale if p.fp8 else p.bias, p.input_inv,  # the bias stands in for the unused scale pointer
             *_split_buffers(x.device), p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8,
             p.kmajor)
-    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size()))
+    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size()), pdl)
     return y

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import autotune, launch
 
 _CONFIGS = [triton.Config({"BLOCK_P": 32, "BLOCK_C": 64}, num_warps=4),
@@ -20,7 +21,8 @@ _FIXED = dict(BLOCK_P=32, BLOCK_C=64, num_warps=4, num_stages=2)
 @triton.jit
 def max_pool_nhwc_kernel(x_ptr, y_ptr, P, H, W, C, OH, OW,
                          K: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, GDC: tl.constexpr = False):
+    wait_for_prior_kernel(GDC)
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixels (n, oh, ow)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ow = offs_p % OW
@@ -42,8 +44,10 @@ def max_pool_nhwc_kernel(x_ptr, y_ptr, P, H, W, C, OH, OW,
 
 @autotune(_CONFIGS, key=["HW", "C"])
 @triton.jit
-def avg_pool_nhwc_kernel(x_ptr, y_ptr, HW, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def avg_pool_nhwc_kernel(x_ptr, y_ptr, HW, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                         GDC: tl.constexpr = False):
     # One program: one image, BLOCK_C channels; walk its HW pixels BLOCK_P at a time, summing in fp32.
+    wait_for_prior_kernel(GDC)
     img = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_C,), tl.float32)
@@ -55,7 +59,8 @@ def avg_pool_nhwc_kernel(x_ptr, y_ptr, HW, C, BLOCK_P: tl.constexpr, BLOCK_C: tl
     tl.store(y_ptr + img * C + offs_c, (acc / HW).to(y_ptr.dtype.element_ty), mask=offs_c < C)
 
 
-def max_pool2d(x: torch.Tensor, k: int = 3, stride: int = 2, pad: int = 1, tune: bool = True) -> torch.Tensor:
+def max_pool2d(x: torch.Tensor, k: int = 3, stride: int = 2, pad: int = 1, tune: bool = True,
+               pdl: bool = False) -> torch.Tensor:
     """NHWC max-pool (`x` contiguous [N, H, W, C])."""
     n, h, w, c = x.shape
     oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
@@ -65,11 +70,11 @@ def max_pool2d(x: torch.Tensor, k: int = 3, stride: int = 2, pad: int = 1, tune:
     def grid(meta):
         return (triton.cdiv(p, meta["BLOCK_P"]), triton.cdiv(c, meta["BLOCK_C"]))
 
-    launch(max_pool_nhwc_kernel, grid, (x, y, p, h, w, c, oh, ow, k, stride, pad), tune, _FIXED)
+    launch(max_pool_nhwc_kernel, grid, (x, y, p, h, w, c, oh, ow, k, stride, pad), tune, _FIXED, pdl)
     return y
 
 
-def global_avg_pool(x: torch.Tensor, tune: bool = True) -> torch.Tensor:
+def global_avg_pool(x: torch.Tensor, tune: bool = True, pdl: bool = False) -> torch.Tensor:
     """NHWC [N, H, W, C] -> [N, C], the mean over the pixels."""
     n, h, w, c = x.shape
     y = torch.empty((n, c), device=x.device, dtype=x.dtype)
@@ -77,5 +82,5 @@ def global_avg_pool(x: torch.Tensor, tune: bool = True) -> torch.Tensor:
     def grid(meta):
         return (n, triton.cdiv(c, meta["BLOCK_C"]))
 
-    launch(avg_pool_nhwc_kernel, grid, (x, y, h * w, c), tune, _FIXED)
+    launch(avg_pool_nhwc_kernel, grid, (x, y, h * w, c), tune, _FIXED, pdl)
     return y

@@ -58,13 +58,13 @@ class TritonResNet:
     `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32" (weights K-major).
     `fp8_amax`: each convolution's calibrated input amax by module path (input_amax): the blocks' convolutions then
     run in e4m3 with bf16 activations (`dtype` bf16); the stem and the classifier stay bf16, as FP8 recipes keep
-    the first and last layers."""
+    the first and last layers. `pdl`: every kernel a programmatic dependent launch (kernels/triton/pdl.py)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
-                 fp8_amax: dict[str, float] | None = None, planned: bool = False):
-        self.conv = partial(conv2d, precision=precision, tune=tune)
-        self.max_pool = partial(max_pool2d, tune=tune)
-        self.avg_pool = partial(global_avg_pool, tune=tune)
+                 fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False):
+        self.conv = partial(conv2d, precision=precision, tune=tune, pdl=pdl)
+        self.max_pool = partial(max_pool2d, tune=tune, pdl=pdl)
+        self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl)
         kmajor = dtype == torch.float32 and precision == "tf32"
 
         def packing(path: str) -> dict:

@@ -76,11 +76,13 @@ def autotune(configs, key, prune=None):
                            prune_configs_by={"early_config_prune": prune} if prune else None)
 
 
-def launch(kernel, grid, args, tune: bool, fixed: dict):
+def launch(kernel, grid, args, tune: bool, fixed: dict, pdl: bool = False):
     """Run an autotuned `kernel` on `args` with its configuration from a tuning table, else autotuned (on the GPU),
     else (tuning off, or the interpreter without a table entry) its plain JIT function with `fixed`, a dict of
-    meta-parameters plus num_warps/num_stages. While a forward is recorded (kernels/triton/plan.py), the launch is
-    noted with the meta-parameters it ran (`chosen`)."""
+    meta-parameters plus num_warps/num_stages. `pdl`: launched as a programmatic dependent launch, the kernel
+    compiled with its GDC flag (kernels/triton/pdl.py). While a forward is recorded (kernels/triton/plan.py), the
+    launch is noted with the meta-parameters it ran (`chosen`)."""
+    dependent = {"GDC": True, "launch_pdl": True} if pdl else {}
     config = None
     if tune:
         key = table_key(kernel, args)
@@ -88,14 +90,15 @@ def launch(kernel, grid, args, tune: bool, fixed: dict):
         STATS["table_hits"] += key in TABLE
     if config is not None:
         chosen = config["kwargs"]
-        compiled = kernel.fn[grid](*args, **chosen, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        compiled = kernel.fn[grid](*args, **chosen, num_warps=config["num_warps"], num_stages=config["num_stages"],
+                                   **dependent)
     elif tune and not INTERPRET and not NO_AUTOTUNE:
-        compiled = kernel[grid](*args)
+        compiled = kernel[grid](*args, **dependent)
         best = kernel.best_config
         TUNED[key] = {"kwargs": dict(best.kwargs), "num_warps": best.num_warps, "num_stages": best.num_stages}
         chosen = dict(best.kwargs)
     else:
         chosen = fixed
-        compiled = kernel.fn[grid](*args, **fixed)
+        compiled = kernel.fn[grid](*args, **fixed, **dependent)
     if plan.RECORDING is not None:
-        plan.note(compiled, kernel.fn, grid, args, chosen)
+        plan.note(compiled, kernel.fn, grid, args, {**chosen, **dependent})
