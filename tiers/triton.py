@@ -62,8 +62,10 @@ class TritonTier(PythonTier):
     # replayed through the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the
     # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
     # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes
-    # (kernels/triton/pdl.py; the GPU's default, run from Hopper on, and the build stats say whether it ran).
-    options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("on", "off")}
+    # (kernels/triton/pdl.py; from Hopper on, the build stats say whether it ran). Off by default: on the H100 it
+    # gains 1.5% at batch 1 under a CUDA graph and makes batch 1 without one 44% slower
+    # (results/.../checks/batch1/).
+    options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
@@ -72,8 +74,6 @@ class TritonTier(PythonTier):
     def option_default(self, key: str, device: str) -> str | None:
         if key == "launch":  # the interpreter (the CPU) compiles nothing to replay
             return "plan" if device == "cuda" else "jit"
-        if key == "pdl":  # the interpreter has no grid dependency control
-            return "on" if device == "cuda" else "off"
         return super().option_default(key, device)
 
     def availability(self, device: str) -> str | None:
