@@ -68,6 +68,14 @@ def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
     out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, input_amax=x.abs().max().item()),
                  nhwc(res) if residual else None, relu)
     close(nchw(out), ref, tol=0.15)
+    # e4m3 in and out, as between a block's convolutions: the input stored in its scale, the output in its own (one
+    # more rounding to 3 mantissa bits, up to 1/16 of each output value, on top of the inputs')
+    in_amax, out_amax = x.abs().max().item(), ref.abs().max().item()
+    x8 = (nhwc(x) * (448 / in_amax)).to(torch.float8_e4m3fn)
+    out = conv2d(x8, pack_conv(weight, stride, pad, bias=bias, input_amax=in_amax, output_amax=out_amax),
+                 nhwc(res) if residual else None, relu)
+    assert out.dtype == torch.float8_e4m3fn
+    close(nchw(out.float() * (out_amax / 448)), ref, tol=0.25)
     # the stem's packing: the equal stride-1 convolution over the input's 2x2 pixel tiles, where one exists
     if stride == 2 and cin <= 4:
         out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, space_to_depth=True),
@@ -104,6 +112,9 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
         net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=input_amax(model, x))
         assert all(p.fp8 and p.kmajor for convs, down in net.blocks for p in convs + ([down] if down else []))
         assert not net.stem.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
+        # e4m3 between a block's convolutions; the block's output (and the downsample's) in the activations' type
+        assert all([p.output_dtype for p in convs] == [torch.float8_e4m3fn, torch.float32] for convs, _ in net.blocks)
+        assert all(down.output_dtype == torch.float32 for _, down in net.blocks if down)
         other = model(make_input(8, 32, seed=1))  # the reference of another input, as parity takes it
         fp8 = against_another_input(compare(net(x), ref, "fp8"), other, ref, "fp8")
         wrong = against_another_input(compare(net(make_input(8, 32, seed=2)), ref, "fp8"), other, ref, "fp8")
@@ -123,7 +134,11 @@ def test_micro_checks_each_fp8_layer_as_the_fp8_cell_runs_it_and_a_wrong_scale_f
     for path in ("conv1", "layer1.0.conv2", "layer1.0.conv3", "layer2.0.downsample.0"):
         case = LayerCase(layers[path], 2, "fp8", True, "cpu", activations=torch.float32)
         assert case.kernel == ("float32" if path == "conv1" else "e4m3") and case.packed.fp8 == (path != "conv1")
-        assert case.parity["ok"] and case.parity["rel_err"] < 0.15, (path, case.parity)  # seen: 0.06-0.08
+        # as in the cell, a bottleneck's conv2 reads and writes e4m3, its conv3 reads it and writes fp32 here
+        assert case.ours.args[0].dtype == (torch.float8_e4m3fn if path.endswith(("conv2", "conv3")) else torch.float32)
+        assert (case.packed.output_dtype == torch.float8_e4m3fn) == path.endswith("conv2")
+        # seen: 0.06-0.08, and 0.16 for conv2, whose e4m3 output adds the rounding its consumer's input would have
+        assert case.parity["ok"] and case.parity["rel_err"] < 0.2, (path, case.parity)
     case.packed.scale.mul_(3)
     assert not case.check()["ok"]
 

@@ -37,7 +37,8 @@ def _precision(dtype: str) -> str:
 
 
 FP8_RECIPE = {"weights": "e4m3, one scale per output channel (batch-norm folded first)",
-              "activations": "bf16 in memory; e4m3 in each convolution's dot, one calibrated scale per tensor",
+              "activations": "one calibrated scale per tensor; e4m3 in memory between a block's convolutions, bf16 "
+                             "at block boundaries (the residual path), rounded to e4m3 in the dot that reads them",
               "calibration": "each convolution input's amax over the run's input, in an eager fp32 forward",
               "bf16 layers": "the stem and the classifier, as FP8 recipes keep the first and last layers"}
 
@@ -175,7 +176,8 @@ class LayerCase:
 
     def __init__(self, layer, batch: int, dtype: str, channels_last: bool, device: str,
                  activations: torch.dtype | None = None) -> None:
-        from kernels.triton.conv import conv2d, pack_conv  # Triton: only where it runs
+        from kernels.triton.conv import E4M3_MAX, conv2d, pack_conv  # Triton: only where it runs
+        from kernels.triton.resnet import block_conv_index  # as above
 
         tdt, precision = activations or torch_dtype(dtype), _precision(dtype)
         fmt = memory_format(channels_last)
@@ -191,28 +193,35 @@ class LayerCase:
                          if adds else None)
         self.nhwc = self.x.permute(0, 2, 3, 1).contiguous()  # our kernel's layout (in the rung it stays NHWC)
         self.residual_nhwc = self.residual.permute(0, 2, 3, 1).contiguous() if adds else None
+        self.dtype = dtype
+        set_math_mode("fp32")
+        self.reference = self.whole(self.x.float(), self.weight.float(), self.bias.float(),
+                                    self.residual.float() if adds else None)
         pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device,
                        space_to_depth=layer.path == "conv1")  # as the network packs its stem
-        # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there).
+        # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there); as
+        # there, a bottleneck's conv1 and conv2 store their output in e4m3, which its conv2 and conv3 read.
         fp8 = dtype == "fp8" and layer.path != "conv1"
-        self.packed = pack(input_amax=self.x.abs().max().item()) if fp8 else pack(kmajor=tdt == torch.float32
-                                                                                   and precision == "tf32")
+        index = block_conv_index(layer.path) if fp8 else 0
+        amax = self.x.abs().max().item()
+        self.packed = pack(input_amax=amax, output_amax=self.reference.abs().max().item() if index in (1, 2) else None
+                           ) if fp8 else pack(kmajor=tdt == torch.float32 and precision == "tf32")
+        ours_input = (self.nhwc.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn) if index > 1 else self.nhwc
         self.packed_bf16 = pack() if dtype == "fp8" else None
         self.kernel = "e4m3" if fp8 else str(tdt).removeprefix("torch.")
-        self.dtype = dtype
-        self.ours = partial(conv2d, self.nhwc, self.packed, residual=self.residual_nhwc, relu=self.relu,
+        self.ours = partial(conv2d, ours_input, self.packed, residual=self.residual_nhwc, relu=self.relu,
                             precision=precision)
         self.parity = self.check()
 
     def check(self) -> dict:
-        """Our kernel's output against the layer in fp32 (TF32 off), with the dtype's tolerance; leaves the
-        dtype's math mode set."""
-        set_math_mode("fp32")
-        ref = self.whole(self.x.float(), self.weight.float(), self.bias.float(),
-                         self.residual.float() if self.residual is not None else None)
+        """Our kernel's output (scaled back from e4m3 where stored so) against the layer in fp32 (TF32 off), with
+        the dtype's tolerance; leaves the dtype's math mode set."""
         set_math_mode(self.dtype)
-        out = self.ours().permute(0, 3, 1, 2)
-        rel = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        out = self.ours().permute(0, 3, 1, 2).float()
+        if self.packed.output_inv is not None:
+            out = out / self.packed.output_inv
+        ref = self.reference
+        rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         return {"ok": rel <= TOLERANCES[self.dtype]["rel_err"], "rel_err": rel,
                 "reference": "the layer in fp32 (F.conv2d, its epilogue), TF32 off"}
 

@@ -15,9 +15,12 @@ zero-extended to 8x8 and regrouped the same way; `space_to_depth_kernel`, one ex
 window rows are then 64 aligned elements instead of 21 starting at any 6-byte offset.
 
 FP8 (e4m3, Hopper's tensor cores at twice the bf16 rate): the weights are stored in e4m3 with one scale per output
-channel (batch-norm folding gives each channel its own range); the activations stay bf16 in memory, and each A tile
-is scaled by its layer's calibrated 1 / scale (one per tensor) and rounded to e4m3 on the chip; the fp32 accumulator
-is scaled back by both scales before the epilogue. Hopper's FP8 (and TF32) tensor
+channel (batch-norm folding gives each channel its own range). Activations have one calibrated scale per tensor. A
+tensor that only feeds the next convolution of its block is stored in e4m3 by its producer's epilogue (scaled by
+1 / its scale, saturated): the consumer's A tiles go to the tensor cores as loaded, with half the bytes of bf16.
+The block's input and output stay bf16 (the residual path keeps bf16's precision), and a convolution reading bf16
+scales each A tile by 1 / its scale and rounds it to e4m3 on the chip. Either way the fp32 accumulator is scaled
+back by both scales before the epilogue. Hopper's FP8 (and TF32) tensor
 core instructions read B with K contiguous, so those weights are packed K-major ([COUT, K]); bf16 and strict-fp32
 weights keep COUT contiguous.
 
@@ -118,9 +121,10 @@ def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
+def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv,
               HAS_RES: tl.constexpr, RELU: tl.constexpr, FP8: tl.constexpr):
-    """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual, ReLU; stored."""
+    """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual, ReLU; stored (in
+    e4m3: scaled by 1 / the output's scale and saturated first)."""
     m_ok, n_ok = offs_m < M, offs_n < COUT
     if FP8:
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -131,6 +135,8 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
         acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
     if RELU:
         acc = tl.maximum(acc, 0.0)
+    if y_ptr.dtype.element_ty.is_fp8():
+        acc = tl.clamp(acc * out_inv, -448.0, 448.0)
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -140,7 +146,8 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
 def conv2d_nhwc_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [K, COUT] or K-major [COUT, K] (K = KH*KW*CIN);
         M, H, W, CIN, OH, OW, COUT,              # bias [COUT] fp32; res, y [M, COUT]
-        scale_ptr, a_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the input's
+        scale_ptr, a_inv, out_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the
+                                    # input's scale; 1 / the output's (y in e4m3)
         part_ptr, count_ptr,  # split-K: fp32 partial tiles [SPLIT_K, tiles, BLOCK_M, BLOCK_N]; int32 counters [tiles]
         KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
@@ -189,8 +196,8 @@ def conv2d_nhwc_kernel(
             col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
             a_mask = a_mask & ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if FP8:  # e4m3 saturates at 448: clamp first, as a calibrated scale leaves only outliers there
-            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)
+        if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
+            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
         if W_KMAJOR:
             b_ptrs = w_ptr + offs_n[None, :] * (KH * ROW) + (kh * ROW + kk)[:, None]
         else:
@@ -199,7 +206,7 @@ def conv2d_nhwc_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
 
     if SPLIT_K == 1:
-        _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, HAS_RES, RELU, FP8)
+        _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv, HAS_RES, RELU, FP8)
     else:
         tiles = num_m * num_n
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -212,7 +219,8 @@ def conv2d_nhwc_kernel(
                 acc += tl.load(part_ptr + ((k_slice * tiles + tile) * BLOCK_M * BLOCK_N + in_tile),
                                cache_modifier=".cg")  # from L2, where the other SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-            _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, HAS_RES, RELU, FP8)
+            _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv, HAS_RES, RELU,
+                      FP8)
 
 
 @autotune([triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)],
@@ -290,6 +298,8 @@ class PackedConv:
     fp8: bool = False
     scale: torch.Tensor | None = None  # FP8: [COUT] fp32, the input's scale (amax / 448) x each channel's weights'
     input_inv: float = 1.0  # FP8: 1 / the input's calibrated scale
+    output_inv: float | None = None  # FP8: 1 / the output's calibrated scale, where it is stored in e4m3
+    output_dtype: torch.dtype | None = None  # FP8: e4m3 or the network's activations' type; else None: the input's
     space_to_depth: SpaceToDepth | None = None  # the kernel reads space_to_depth(x): the stem
 
 
@@ -297,11 +307,13 @@ E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 
 def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu", kmajor=False,
-              input_amax: float | None = None, space_to_depth: bool = False) -> PackedConv:
+              input_amax: float | None = None, space_to_depth: bool = False,
+              output_amax: float | None = None) -> PackedConv:
     """Fold an eval-mode BatchNorm2d (`bn`) into the convolution's [COUT, CIN, KH, KW] `weight` and `bias`:
     bn(conv(x)) = conv(x; weight * s) + (bias - mean) * s + beta, with s = gamma / sqrt(var + eps). Folded in fp64,
     rounded once to `dtype`; with `input_amax` (the largest |input| the calibration saw), to e4m3 with one scale for
-    the weights and one for the input, K-major. `space_to_depth` (a stride-2 convolution of at most 4 input
+    the weights and one for the input, K-major, and with `output_amax` too (the largest |output|), writing its
+    output in e4m3. `space_to_depth` (a stride-2 convolution of at most 4 input
     channels): packed as the 4x4 stride-1 convolution over space_to_depth's input."""
     def f64(t):  # folding happens on the host, wherever the model lives
         return t.detach().to("cpu", torch.float64)
@@ -328,7 +340,9 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         input_scale = max(input_amax, 1e-30) / E4M3_MAX
         return PackedConv(e4m3.to(device).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=True, fp8=True,
                           scale=(w_scale * input_scale).to(device, torch.float32).contiguous(),
-                          input_inv=1 / input_scale, space_to_depth=s2d)
+                          input_inv=1 / input_scale, space_to_depth=s2d,
+                          output_inv=E4M3_MAX / max(output_amax, 1e-30) if output_amax is not None else None,
+                          output_dtype=torch.float8_e4m3fn if output_amax is not None else dtype)
     if kmajor:
         packed = packed.t()
     return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=kmajor,
@@ -344,14 +358,14 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
     n, h, w, cin = x.shape
     cout = p.cout
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
-    y = torch.empty((n, oh, ow, cout), device=x.device, dtype=x.dtype)
+    y = torch.empty((n, oh, ow, cout), device=x.device, dtype=p.output_dtype or x.dtype)
     m = n * oh * ow
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]) * meta["SPLIT_K"],)
 
     args = (x, p.weight, p.bias, y if residual is None else residual, y, m, h, w, cin, oh, ow, cout,
-            p.scale if p.fp8 else p.bias, p.input_inv,  # the bias stands in for the unused scale pointer
+            p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
             *_split_buffers(x.device), p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8,
             p.kmajor)
     launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size()), pdl)

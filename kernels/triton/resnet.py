@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from functools import partial
 from typing import Iterator
 
@@ -28,6 +29,12 @@ def pack_block(block: torch.nn.Module, dtype, device, packing=lambda name: {}, p
     down = (_pack(block.downsample[0], block.downsample[1], dtype, device, **packing(f"{prefix}downsample.0"))
             if block.downsample is not None else None)
     return convs, down
+
+
+def block_conv_index(path: str) -> int:
+    """i for a block's convolution (module path `...conv<i>`), 0 for any other (stem, downsample, classifier)."""
+    conv = re.fullmatch(r".+\.conv(\d)", path)
+    return int(conv[1]) if conv else 0
 
 
 def input_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
@@ -57,8 +64,8 @@ class TritonResNet:
     """torchvision's ResNet (BasicBlock or Bottleneck blocks) with batch-norm folded at construction.
     `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32" (weights K-major).
     `fp8_amax`: each convolution's calibrated input amax by module path (input_amax): the blocks' convolutions then
-    run in e4m3 with bf16 activations (`dtype` bf16); the stem and the classifier stay bf16, as FP8 recipes keep
-    the first and last layers. `pdl`: every kernel a programmatic dependent launch (kernels/triton/pdl.py)."""
+    run in e4m3, the activations between them stored in e4m3 and those at block boundaries in `dtype` (bf16); the
+    stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a programmatic dependent launch (kernels/triton/pdl.py)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
                  fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False):
@@ -68,7 +75,12 @@ class TritonResNet:
         kmajor = dtype == torch.float32 and precision == "tf32"
 
         def packing(path: str) -> dict:
-            return {"input_amax": fp8_amax[path]} if fp8_amax else {"kmajor": kmajor}
+            if not fp8_amax:
+                return {"kmajor": kmajor}
+            # A convolution feeding the next one of its block (conv1 -> conv2 -> conv3) writes e4m3 in that one's
+            # input scale; the block's last, and the downsample, write bf16 for the residual path.
+            i = block_conv_index(path)
+            return {"input_amax": fp8_amax[path], "output_amax": fp8_amax.get(f"{path[:-1]}{i + 1}") if i else None}
 
         self.stem = _pack(model.conv1, model.bn1, dtype, device, kmajor=kmajor, space_to_depth=True)
         blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
