@@ -64,8 +64,8 @@ class TritonTier(PythonTier):
     # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
     # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes
     # (kernels/triton/pdl.py; from Hopper on, the build stats say whether it ran). Off by default: on the H100 it
-    # gains 1.5% at batch 1 under a CUDA graph and makes batch 1 without one 44% slower
-    # (results/.../checks/batch1/).
+    # gained 1.5% at batch 1 under a CUDA graph, and without one that cell took 0.80 ms against 0.56-0.75 ms in
+    # this session's other processes (results/.../checks/batch1/): no gain established.
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
