@@ -77,7 +77,7 @@ def _split_fits(split: int, tiles: int, steps: int, bm: int, bn: int) -> bool:
 def _prune(configs, args, **_):
     """Fit the config list to one convolution: halve K tiles for 4-byte types (same shared memory), shrink them to
     the window row (the stem's row is 21 elements), drop tiles larger than the problem or the shared memory, and
-    split-K wherever the output tiles alone would fill the GPU or its slices would be too short."""
+    drop split-K where its programs would not fit two waves or its slices would be too short (_split_fits)."""
     elem, row, m, cout = args["x_ptr"].element_size(), args["KW"] * args["CIN"], args["M"], args["COUT"]
     kept = {}
     for c in configs:
