@@ -65,7 +65,8 @@ class TritonResNet:
     `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32" (weights K-major).
     `fp8_amax`: each convolution's calibrated input amax by module path (input_amax): the blocks' convolutions then
     run in e4m3, the activations between them stored in e4m3 and those at block boundaries in `dtype` (bf16); the
-    stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a programmatic dependent launch (kernels/triton/pdl.py)."""
+    stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
+    programmatic dependent launch (kernels/triton/pdl.py)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
                  fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False):
