@@ -145,8 +145,7 @@ ResNet50::ResNet50(const NetOptions& o, const ladder::TensorMap& weights, const 
       const ConvShape stem{o_.batch, 3, o_.res, o_.res, 64, 7, 7, 2, 3};
       fold(weights, d.name, d.bn, stem, 3, true, w, b);
       w = tiled_stem_filter(w, stem.k, stem.c, d.spec.shape.c);
-      std::vector<float> per_channel = b;
-      for (int tile = 1; tile < 4; ++tile) b.insert(b.end(), per_channel.begin(), per_channel.end());
+      b = tiled_stem_bias(b);
     } else {
       fold(weights, d.name, d.bn, d.spec.shape, d.in == 0 ? 3 : d.spec.shape.c, o_.nhwc, w, b);
     }

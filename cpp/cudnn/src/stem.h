@@ -73,4 +73,11 @@ inline std::vector<float> tiled_stem_filter(const std::vector<float>& w, int k, 
   return out;
 }
 
+// The stem's bias [k] as the tiled stem's [4k]: each of the tile's four output pixels has the same bias.
+inline std::vector<float> tiled_stem_bias(const std::vector<float>& b) {
+  std::vector<float> out;
+  for (int tile = 0; tile < 4; ++tile) out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
 }  // namespace rung
