@@ -86,11 +86,16 @@ class TritonTier(PythonTier):
             return f"triton is not importable: {e}"
         return None
 
+    # Option values the interpreter (the CPU) cannot run, and why.
+    gpu_only = {("launch", "plan"): "replays compiled kernels, which the interpreter (the CPU) does not make",
+                ("pdl", "on"): "is a GPU's programmatic dependent launch, which the interpreter (the CPU) does not "
+                               "have"}
+
     def supports(self, cell: Cell) -> str | None:
-        if self.setting(cell, "launch") == "plan" and cell.device != "cuda":
-            return "launch=plan replays compiled kernels, which the interpreter (the CPU) does not make"
-        if self.setting(cell, "pdl") == "on" and cell.device != "cuda":
-            return "pdl=on is a GPU's programmatic dependent launch, which the interpreter (the CPU) does not have"
+        if cell.device != "cuda":
+            for (key, value), why in self.gpu_only.items():
+                if self.setting(cell, key) == value:
+                    return f"{key}={value} {why}"
         return super().supports(cell)
 
     def build(self, model, example, cell: Cell, store: Store) -> Built:
