@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.pdl import wait_for_prior_kernel
+from kernels.triton.pdl import prefetch_l2, wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 
 SMEM_BYTES = 200 * 1024  # shared memory a config's pipeline may use (H100: 227 KiB per block, less Triton's own)
@@ -140,6 +140,26 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@triton.jit
+def _prefetch_weights(w_ptr, first, last, k_steps, ROW, K, COUT, n0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      W_KMAJOR: tl.constexpr):
+    """prefetch_l2 every 128-byte line of the weight tiles that K steps [first, last) of output channels n0.. read:
+    one address per line, along the tile's contiguous side (COUT, or K where K-major)."""
+    LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per line
+    for step in range(first, last):
+        k0 = (step // k_steps) * ROW + (step % k_steps) * BLOCK_K  # the tile's first row of K
+        if W_KMAJOR:  # [COUT, K]: each channel's BLOCK_K run is contiguous
+            lines: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
+            n = tl.minimum(n0 + tl.arange(0, BLOCK_N), COUT - 1)
+            k = tl.minimum(k0 + tl.arange(0, lines) * LINE, K - 1)
+            prefetch_l2(w_ptr + n[:, None] * K + k[None, :])
+        else:  # [K, COUT]: each row's BLOCK_N run is contiguous
+            lines: tl.constexpr = BLOCK_N // LINE if BLOCK_N > LINE else 1
+            k = tl.minimum(k0 + tl.arange(0, BLOCK_K), K - 1)
+            n = tl.minimum(n0 + tl.arange(0, lines) * LINE, COUT - 1)
+            prefetch_l2(w_ptr + k[:, None] * COUT + n[None, :])
+
+
 # PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
 @autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION"], prune=_prune)
 @triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW"])  # sizes vary per layer: one compile for all of them
@@ -176,7 +196,6 @@ def conv2d_nhwc_kernel(
     iw0 = ow * STRIDE - PAD
 
     ROW = KW * CIN  # elements in one window row, contiguous in memory
-    wait_for_prior_kernel(GDC)  # nothing above touched memory
     k_steps = tl.cdiv(ROW, BLOCK_K)
     if SPLIT_K == 1:
         first, last = 0, KH * k_steps
@@ -184,6 +203,10 @@ def conv2d_nhwc_kernel(
         per_slice = tl.cdiv(KH * k_steps, SPLIT_K)
         first = (pid // (num_m * num_n)) * per_slice
         last = tl.minimum(first + per_slice, KH * k_steps)
+    if GDC:  # no kernel writes the weights: fetch this program's into L2 while the kernel before still runs
+        _prefetch_weights(w_ptr, first, last, k_steps, ROW, KH * ROW, COUT, pid_n * BLOCK_N, BLOCK_K, BLOCK_N,
+                          W_KMAJOR)
+    wait_for_prior_kernel(GDC)  # nothing above loaded or stored
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # One flat loop over (window row kh, K tile in that row), so Triton software-pipelines all of it.
     for step in range(first, last):
