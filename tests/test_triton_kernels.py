@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
 from core.model import build_model  # noqa: E402
-from kernels.triton.conv import _fixed, _split_buffers, conv2d, pack_conv  # noqa: E402
+from kernels.triton.conv import _fixed, _split_buffers, conv2d, fuse_shortcut, pack_conv  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
 from core.cell import Cell, Store  # noqa: E402
@@ -84,6 +84,36 @@ def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
     else:
         with pytest.raises(ValueError, match="space-to-depth packs a square stride-2 convolution"):
             pack_conv(weight, stride, pad, bias=bias, space_to_depth=True)
+
+
+# (batch, the convolution's cin, kernel and padding (stride 1), the shortcut's cin and stride, cout, output h, w)
+SHORTCUT_CASES = [
+    (3, 8, 1, 0, 24, 2, 33, 5, 4),  # a bottleneck's conv3 with its stride-2 downsample: K tiles partly masked
+    (2, 5, 3, 1, 7, 1, 9, 6, 5),  # a basic block's 3x3 with a stride-1 shortcut that changes the channels
+    (1, 256, 1, 0, 512, 2, 40, 2, 2),  # batch 1: K split in 2, one slice spanning the convolution and the shortcut
+]
+
+
+@pytest.mark.parametrize("n,cin,k,pad,sc_cin,sc_stride,cout,oh,ow", SHORTCUT_CASES)
+def test_conv_with_its_downsample_fused_in(n, cin, k, pad, sc_cin, sc_stride, cout, oh, ow):
+    """relu(conv(x) + downsample(block input)) as one GEMM (fuse_shortcut) against the two F.conv2d, in both weight
+    layouts; FP8 refuses it, and conv2d refuses a fused convolution without its shortcut input."""
+    torch.manual_seed(0)
+    x, block_input = torch.randn(n, cin, oh, ow), torch.randn(n, sc_cin, oh * sc_stride, ow * sc_stride)
+    weight, bias = torch.randn(cout, cin, k, k), torch.randn(cout)
+    down, down_bias = torch.randn(cout, sc_cin, 1, 1), torch.randn(cout)
+    ref = F.relu(F.conv2d(x, weight, bias, 1, pad) + F.conv2d(block_input, down, down_bias, sc_stride))
+    if n == 1:
+        assert _fixed(m=oh * ow, cout=cout, kh=k, row=k * cin, elem=4, shortcut=sc_cin)["SPLIT_K"] == 2
+    for kmajor in (False, True):
+        fused = fuse_shortcut(pack_conv(weight, 1, pad, bias=bias, kmajor=kmajor),
+                              pack_conv(down, sc_stride, 0, bias=down_bias, kmajor=kmajor))
+        close(nchw(conv2d(nhwc(x), fused, shortcut=nhwc(block_input))), ref)
+    with pytest.raises(ValueError, match="takes the block's input as `shortcut`"):
+        conv2d(nhwc(x), fused)
+    with pytest.raises(ValueError, match="outside FP8"):
+        fuse_shortcut(pack_conv(weight, 1, pad, bias=bias, input_amax=1.0),
+                      pack_conv(down, sc_stride, 0, bias=down_bias, input_amax=1.0))
 
 
 def test_split_k_adds_its_slices_the_same_each_launch_and_leaves_its_counters_at_zero():
@@ -186,7 +216,9 @@ def test_bottleneck(downsample):
     x = torch.randn(3, inplanes, 9, 7)
     with torch.no_grad():
         ref = block(x)
-    close(nchw(run_block(nhwc(x), pack_block(block, torch.float32, "cpu"))), ref)
+    convs, shortcut = pack_block(block, torch.float32, "cpu")
+    assert shortcut is None and convs[-1].shortcut_stride == (stride if downsample else 0)  # fused in, if any
+    close(nchw(run_block(nhwc(x), (convs, shortcut))), ref)
 
 
 @pytest.mark.parametrize("model,channels_last", [("resnet50", True), ("resnet18", False)])

@@ -24,6 +24,11 @@ back by both scales before the epilogue. Hopper's FP8 (and TF32) tensor
 core instructions read B with K contiguous, so those weights are packed K-major ([COUT, K]); bf16 and strict-fp32
 weights keep COUT contiguous.
 
+A block's downsample (the 1x1 convolution on its shortcut) is fused into the block's last convolution: relu(conv(x) +
+downsample(block input)) is one GEMM whose K first walks the convolution's window over x and then the block input's
+channels at the downsample's stride (`fuse_shortcut`; the weights concatenated along K, the biases summed). The
+downsample's output, as large as the block's own, then never goes through HBM, and the block is one launch shorter.
+
 Split-K, for the late layers at small batches: at batch 1, layer4's 3x3 convolution has 49 output pixels and 512
 channels, a handful of output tiles, each with a K of 4608 to walk; a handful of SMs stream 4.7 MB of weights
 while the other 120 idle. With SPLIT_K > 1, each tile's K is cut into SPLIT_K slices, one program each. Every
@@ -35,7 +40,7 @@ one after another.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -64,9 +69,9 @@ CONFIGS = [_config(128, 256, 64, 3, 8), _config(128, 128, 64, 3, 8), _config(128
     _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
 
 
-def _steps(kh: int, row: int, bk: int) -> int:
-    """K tiles one output tile walks: window rows times K tiles per row."""
-    return kh * triton.cdiv(row, bk)
+def _steps(kh: int, row: int, bk: int, shortcut: int = 0) -> int:
+    """K tiles one output tile walks: window rows times K tiles per row, then the shortcut's channels."""
+    return kh * triton.cdiv(row, bk) + triton.cdiv(shortcut, bk)
 
 
 def _split_fits(split: int, tiles: int, steps: int, bm: int, bn: int) -> bool:
@@ -86,14 +91,14 @@ def _prune(configs, args, **_):
         too_big = bm > max(32, triton.next_power_of_2(m)) or bn > max(32, triton.next_power_of_2(cout))
         tiles = triton.cdiv(m, bm) * triton.cdiv(cout, bn)
         if (too_big or c.num_stages * (bm + bn) * bk * elem > SMEM_BYTES
-                or not _split_fits(split, tiles, _steps(args["KH"], row, bk), bm, bn)):
+                or not _split_fits(split, tiles, _steps(args["KH"], row, bk, args["SC_CIN"]), bm, bn)):
             continue
         kept.setdefault((bm, bn, bk, split, c.num_stages, c.num_warps),
                         _config(bm, bn, bk, c.num_stages, c.num_warps, split))
     return list(kept.values()) or [_config(32, 32, 16, 2, 4)]
 
 
-def _fixed(m, cout, kh, row, elem):
+def _fixed(m, cout, kh, row, elem, shortcut=0):
     """The one config used untuned (autotune off: tiles sized to the problem; interpreter: the largest tiles, since
     it runs each tile operation as one numpy call, so fewer, bigger tiles are much faster), split-K as deep as
     _split_fits allows."""
@@ -104,7 +109,7 @@ def _fixed(m, cout, kh, row, elem):
         bn = 128 if cout >= 128 and bm >= 64 else 64
         bk = min(64 if elem < 4 else 32, max(16, triton.next_power_of_2(row)))
         warps, stages = 8 if bm * bn >= 16384 else 4, 3
-    tiles, steps = triton.cdiv(m, bm) * triton.cdiv(cout, bn), _steps(kh, row, bk)
+    tiles, steps = triton.cdiv(m, bm) * triton.cdiv(cout, bn), _steps(kh, row, bk, shortcut)
     split = max(s for s in (1, 2, 4, 8, 16) if _split_fits(s, tiles, steps, bm, bn))
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
@@ -141,13 +146,12 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, first, last, k_steps, ROW, K, COUT, n0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, n0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       W_KMAJOR: tl.constexpr):
-    """prefetch_l2 every 128-byte line of the weight tiles that K steps [first, last) of output channels n0.. read:
-    one address per line, along the tile's contiguous side (COUT, or K where K-major)."""
+    """prefetch_l2 every 128-byte line of the weights' K rows [k_lo, k_hi) for output channels n0..n0+BLOCK_N: one
+    address per line, along the contiguous side (COUT, or K where K-major)."""
     LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per line
-    for step in range(first, last):
-        k0 = (step // k_steps) * ROW + (step % k_steps) * BLOCK_K  # the tile's first row of K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if W_KMAJOR:  # [COUT, K]: each channel's BLOCK_K run is contiguous
             lines: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
             n = tl.minimum(n0 + tl.arange(0, BLOCK_N), COUT - 1)
@@ -160,55 +164,17 @@ def _prefetch_weights(w_ptr, first, last, k_steps, ROW, K, COUT, n0, BLOCK_K: tl
             prefetch_l2(w_ptr + k[:, None] * COUT + n[None, :])
 
 
-# PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
-@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION"], prune=_prune)
-@triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW"])  # sizes vary per layer: one compile for all of them
-def conv2d_nhwc_kernel(
-        x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [K, COUT] or K-major [COUT, K] (K = KH*KW*CIN);
-        M, H, W, CIN, OH, OW, COUT,              # bias [COUT] fp32; res, y [M, COUT]
-        scale_ptr, a_inv, out_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the
-                                    # input's scale; 1 / the output's (y in e4m3)
-        part_ptr, count_ptr,  # split-K: fp32 partial tiles [SPLIT_K, tiles, BLOCK_M, BLOCK_N]; int32 counters [tiles]
-        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
-        HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
-        FP8: tl.constexpr, W_KMAJOR: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-        GROUP_M: tl.constexpr = 8, GDC: tl.constexpr = False):
-    # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
-    # programs running together share the same weight tiles (and neighbouring input rows) in L2.
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(COUT, BLOCK_N)
-    tile = pid % (num_m * num_n)
-    first_m = (tile // (GROUP_M * num_n)) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_m
-    pid_n = (tile % (GROUP_M * num_n)) // group_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow) of this tile
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of this tile
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < COUT
-    # Each output pixel's window starts at input pixel (ih0, iw0) of image `img` (negative inside the padding).
-    ow = offs_m % OW
-    oh = (offs_m // OW) % OH
-    img = offs_m // (OW * OH)
-    ih0 = oh * STRIDE - PAD
-    iw0 = ow * STRIDE - PAD
-
+@triton.jit
+def _accumulate(acc, x_ptr, w_ptr, first, last, img, ih0, iw0, m_ok, offs_n, n_ok, H, W, CIN, K0, K, COUT, a_inv,
+                KW: tl.constexpr, PAD: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                W_KMAJOR: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += K steps [first, last) of one convolution over NHWC `x` [N, H, W, CIN], whose weights are rows K0.. of
+    the K rows of `w`. A step is one K tile of one window row (kh): one flat loop over both, so Triton
+    software-pipelines all of it. (ih0, iw0): where each output pixel's window starts in image `img` (negative
+    inside the padding)."""
     ROW = KW * CIN  # elements in one window row, contiguous in memory
     k_steps = tl.cdiv(ROW, BLOCK_K)
-    if SPLIT_K == 1:
-        first, last = 0, KH * k_steps
-    else:
-        per_slice = tl.cdiv(KH * k_steps, SPLIT_K)
-        first = (pid // (num_m * num_n)) * per_slice
-        last = tl.minimum(first + per_slice, KH * k_steps)
-    if GDC:  # no kernel writes the weights: fetch this program's into L2 while the kernel before still runs
-        _prefetch_weights(w_ptr, first, last, k_steps, ROW, KH * ROW, COUT, pid_n * BLOCK_N, BLOCK_K, BLOCK_N,
-                          W_KMAJOR)
-    wait_for_prior_kernel(GDC)  # nothing above loaded or stored
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # One flat loop over (window row kh, K tile in that row), so Triton software-pipelines all of it.
+    offs_k = tl.arange(0, BLOCK_K)
     for step in range(first, last):
         kh = step // k_steps
         kk = (step % k_steps) * BLOCK_K + offs_k  # positions inside the window row
@@ -221,12 +187,79 @@ def conv2d_nhwc_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
             a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
+        k = K0 + kh * ROW + kk  # rows of the weights
         if W_KMAJOR:
-            b_ptrs = w_ptr + offs_n[None, :] * (KH * ROW) + (kh * ROW + kk)[:, None]
+            b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
         else:
-            b_ptrs = w_ptr + (kh * ROW + kk)[:, None] * COUT + offs_n[None, :]
+            b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
         b = tl.load(b_ptrs, mask=(kk < ROW)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
+    return acc
+
+
+# PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
+@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN", "SC_STRIDE"],
+          prune=_prune)
+@triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW", "SC_H", "SC_W"])  # one compile for every layer's sizes
+def conv2d_nhwc_kernel(
+        x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [K, COUT] or K-major [COUT, K] (K = KH*KW*CIN
+        M, H, W, CIN, OH, OW, COUT,              # + SC_CIN); bias [COUT] fp32; res, y [M, COUT]
+        SC_H, SC_W, SC_CIN,  # the shortcut: res [N, SC_H, SC_W, SC_CIN] is the block's input, and y adds its 1x1
+                             # convolution at stride SC_STRIDE (the downsample), weights after x's along K
+        scale_ptr, a_inv, out_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the
+                                    # input's scale; 1 / the output's (y in e4m3)
+        part_ptr, count_ptr,  # split-K: fp32 partial tiles [SPLIT_K, tiles, BLOCK_M, BLOCK_N]; int32 counters [tiles]
+        KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+        HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
+        FP8: tl.constexpr, W_KMAJOR: tl.constexpr, SC_STRIDE: tl.constexpr,  # SC_STRIDE 0: no shortcut
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+        GROUP_M: tl.constexpr = 8, GDC: tl.constexpr = False):
+    tl.static_assert(SC_STRIDE == 0 or not (HAS_RES or FP8), "a shortcut replaces the residual; bf16/fp32 only")
+    # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
+    # programs running together share the same weight tiles (and neighbouring input rows) in L2.
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(COUT, BLOCK_N)
+    tile = pid % (num_m * num_n)
+    first_m = (tile // (GROUP_M * num_n)) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_m
+    pid_n = (tile % (GROUP_M * num_n)) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow) of this tile
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of this tile
+    m_ok, n_ok = offs_m < M, offs_n < COUT
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    img = offs_m // (OW * OH)
+
+    # K steps: the window's (KH rows of KW*CIN elements, each row in K tiles), then the shortcut's SC_CIN channels.
+    k_steps = tl.cdiv(KW * CIN, BLOCK_K)
+    main_steps = KH * k_steps
+    K = KH * KW * CIN + SC_CIN
+    if SPLIT_K == 1:
+        first, last = 0, main_steps + tl.cdiv(SC_CIN, BLOCK_K)
+    else:
+        per_slice = tl.cdiv(main_steps + tl.cdiv(SC_CIN, BLOCK_K), SPLIT_K)
+        first = (pid // (num_m * num_n)) * per_slice
+        last = tl.minimum(first + per_slice, main_steps + tl.cdiv(SC_CIN, BLOCK_K))
+    # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, from one program per
+    # weight tile (the first M tile's; the others then find it there too).
+    if GDC and pid_m == 0 and last > first:
+        k_lo = tl.where(first < main_steps, (first // k_steps) * KW * CIN + (first % k_steps) * BLOCK_K,
+                        KH * KW * CIN + (first - main_steps) * BLOCK_K)
+        k_hi = tl.where(last <= main_steps, ((last - 1) // k_steps) * KW * CIN + ((last - 1) % k_steps) * BLOCK_K,
+                        KH * KW * CIN + (last - 1 - main_steps) * BLOCK_K) + BLOCK_K
+        _prefetch_weights(w_ptr, k_lo, tl.minimum(k_hi, K), K, COUT, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, W_KMAJOR)
+    wait_for_prior_kernel(GDC)  # nothing above loaded or stored
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _accumulate(acc, x_ptr, w_ptr, first, tl.minimum(last, main_steps), img, oh * STRIDE - PAD,
+                      ow * STRIDE - PAD, m_ok, offs_n, n_ok, H, W, CIN, 0, K, COUT, a_inv, KW, PAD, PRECISION, FP8,
+                      W_KMAJOR, BLOCK_K)
+    if SC_STRIDE > 0:
+        acc = _accumulate(acc, res_ptr, w_ptr, tl.maximum(first - main_steps, 0), last - main_steps, img,
+                          oh * SC_STRIDE, ow * SC_STRIDE, m_ok, offs_n, n_ok, SC_H, SC_W, SC_CIN, KH * KW * CIN, K,
+                          COUT, a_inv, 1, 0, PRECISION, FP8, W_KMAJOR, BLOCK_K)
 
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv, HAS_RES, RELU, FP8)
@@ -324,6 +357,7 @@ class PackedConv:
     output_inv: float | None = None  # FP8: 1 / the output's calibrated scale, where it is stored in e4m3
     output_dtype: torch.dtype | None = None  # FP8: e4m3 or the network's activations' type; else None: the input's
     space_to_depth: SpaceToDepth | None = None  # the kernel reads space_to_depth(x): the stem
+    shortcut_stride: int = 0  # the block's downsample fused in (fuse_shortcut), at this stride; 0: none
 
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -372,10 +406,27 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
                       space_to_depth=s2d)
 
 
+def fuse_shortcut(last: PackedConv, down: PackedConv) -> PackedConv:
+    """A block's last convolution with its downsample (1x1, batch-norm folded) fused in: relu(conv(x) +
+    downsample(block input)) as one GEMM whose K runs over the convolution's window and then the block input's
+    channels, with one bias (their sum). The downsample's output, as large as the block's, never goes through memory,
+    and a block is one launch shorter. Not in FP8, where the two inputs would need scales of their own."""
+    if last.fp8 or down.fp8 or (down.kh, down.kw, down.pad) != (1, 1, 0) or last.kmajor != down.kmajor:
+        raise ValueError(f"fuse_shortcut takes a 1x1 unpadded downsample packed like the convolution, outside FP8; "
+                         f"not {down.kh}x{down.kw} pad {down.pad}, fp8 {last.fp8 or down.fp8}")
+    weight = torch.cat([last.weight, down.weight], dim=1 if last.kmajor else 0).contiguous()
+    return replace(last, weight=weight, bias=last.bias + down.bias, shortcut_stride=down.stride)
+
+
 def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
-           precision: str = "ieee", tune: bool = True, pdl: bool = False) -> torch.Tensor:
-    """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN]). `pdl`: launched as a
+           precision: str = "ieee", tune: bool = True, pdl: bool = False,
+           shortcut: torch.Tensor | None = None) -> torch.Tensor:
+    """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN]); with a fused downsample
+    (fuse_shortcut), relu(conv(x) + downsample(shortcut) + bias), `shortcut` the block's input. `pdl`: launched as a
     programmatic dependent launch (kernels/triton/pdl.py)."""
+    if bool(p.shortcut_stride) != (shortcut is not None) or (shortcut is not None and residual is not None):
+        raise ValueError("a convolution with its downsample fused in takes the block's input as `shortcut` (and no "
+                         "residual); any other takes no shortcut")
     if p.space_to_depth:
         x = space_to_depth(x, p.space_to_depth, tune, pdl)
     n, h, w, cin = x.shape
@@ -387,9 +438,12 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]) * meta["SPLIT_K"],)
 
-    args = (x, p.weight, p.bias, y if residual is None else residual, y, m, h, w, cin, oh, ow, cout,
+    # res_ptr carries the residual, or the shortcut's input (y: unused)
+    second = shortcut if shortcut is not None else residual if residual is not None else y
+    sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
+    args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
             *_split_buffers(x.device), p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8,
-            p.kmajor)
-    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size()), pdl)
+            p.kmajor, p.shortcut_stride)
+    launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size(), sc_cin), pdl)
     return y

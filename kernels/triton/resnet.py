@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from kernels.triton import plan
-from kernels.triton.conv import PackedConv, conv2d, pack_conv
+from kernels.triton.conv import PackedConv, conv2d, fuse_shortcut, pack_conv
 from kernels.triton.pool import global_avg_pool, max_pool2d
 
 
@@ -21,13 +21,16 @@ def _pack(conv: torch.nn.Conv2d, bn, dtype, device, **packing) -> PackedConv:
 
 def pack_block(block: torch.nn.Module, dtype, device, packing=lambda name: {}, prefix: str = ""):
     """A BasicBlock or Bottleneck: its convolutions in order (the last one takes the residual) and the optional
-    downsample (1x1 convolution + batch-norm on the shortcut). `packing(path)`: pack_conv's layout and FP8 options
-    for the convolution at `prefix` + its name."""
+    downsample (1x1 convolution + batch-norm on the shortcut), which outside FP8 is fused into the last convolution
+    (fuse_shortcut; None is left in its place). `packing(path)`: pack_conv's layout and FP8 options for the
+    convolution at `prefix` + its name."""
     names = ("1", "2", "3") if hasattr(block, "conv3") else ("1", "2")
     convs = [_pack(getattr(block, "conv" + i), getattr(block, "bn" + i), dtype, device,
                    **packing(f"{prefix}conv{i}")) for i in names]
     down = (_pack(block.downsample[0], block.downsample[1], dtype, device, **packing(f"{prefix}downsample.0"))
             if block.downsample is not None else None)
+    if down is not None and not down.fp8:
+        convs[-1], down = fuse_shortcut(convs[-1], down), None
     return convs, down
 
 
@@ -57,6 +60,8 @@ def run_block(x: torch.Tensor, packed, conv=conv2d) -> torch.Tensor:
     identity = x if down is None else conv(x, down, relu=False)
     for p in convs[:-1]:
         x = conv(x, p)
+    if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
+        return conv(x, convs[-1], shortcut=identity)
     return conv(x, convs[-1], residual=identity)
 
 
@@ -97,7 +102,8 @@ class TritonResNet:
         # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.
         self.paths = {id(self.stem): "conv1", id(self.fc): "fc"}
         for name, (convs, down) in zip(blocks, self.blocks):
-            self.paths.update({id(p): f"{name}.conv{i + 1}" for i, p in enumerate(convs)})
+            self.paths.update({id(p): f"{name}.conv{i + 1}" + ("+downsample.0" if p.shortcut_stride else "")
+                               for i, p in enumerate(convs)})
             if down is not None:
                 self.paths[id(down)] = f"{name}.downsample.0"
 
