@@ -164,39 +164,6 @@ def _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, n0, BLOCK_K: tl.constexpr, BLO
             prefetch_l2(w_ptr + k[:, None] * COUT + n[None, :])
 
 
-@triton.jit
-def _accumulate(acc, x_ptr, w_ptr, first, last, img, ih0, iw0, m_ok, offs_n, n_ok, H, W, CIN, K0, K, COUT, a_inv,
-                KW: tl.constexpr, PAD: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                W_KMAJOR: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += K steps [first, last) of one convolution over NHWC `x` [N, H, W, CIN], whose weights are rows K0.. of
-    the K rows of `w`. A step is one K tile of one window row (kh): one flat loop over both, so Triton
-    software-pipelines all of it. (ih0, iw0): where each output pixel's window starts in image `img` (negative
-    inside the padding)."""
-    ROW = KW * CIN  # elements in one window row, contiguous in memory
-    k_steps = tl.cdiv(ROW, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    for step in range(first, last):
-        kh = step // k_steps
-        kk = (step % k_steps) * BLOCK_K + offs_k  # positions inside the window row
-        ih = ih0 + kh
-        a_ptrs = x_ptr + (((img * H + ih) * W + iw0) * CIN)[:, None] + kk[None, :]
-        a_mask = m_ok[:, None] & (kk < ROW)[None, :]
-        if PAD > 0:  # the window may hang over the image border: those elements are the zero padding
-            col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
-            a_mask = a_mask & ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
-            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
-        k = K0 + kh * ROW + kk  # rows of the weights
-        if W_KMAJOR:
-            b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
-        else:
-            b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
-        b = tl.load(b_ptrs, mask=(kk < ROW)[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
-    return acc
-
-
 # PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
 @autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN", "SC_STRIDE"],
           prune=_prune)
@@ -233,9 +200,10 @@ def conv2d_nhwc_kernel(
     img = offs_m // (OW * OH)
 
     # K steps: the window's (KH rows of KW*CIN elements, each row in K tiles), then the shortcut's SC_CIN channels.
-    k_steps = tl.cdiv(KW * CIN, BLOCK_K)
+    ROW = KW * CIN  # elements in one window row, contiguous in memory
+    k_steps = tl.cdiv(ROW, BLOCK_K)
     main_steps = KH * k_steps
-    K = KH * KW * CIN + SC_CIN
+    K = KH * ROW + SC_CIN
     if SPLIT_K == 1:
         first, last = 0, main_steps + tl.cdiv(SC_CIN, BLOCK_K)
     else:
@@ -245,21 +213,53 @@ def conv2d_nhwc_kernel(
     # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, from one program per
     # weight tile (the first M tile's; the others then find it there too).
     if GDC and pid_m == 0 and last > first:
-        k_lo = tl.where(first < main_steps, (first // k_steps) * KW * CIN + (first % k_steps) * BLOCK_K,
-                        KH * KW * CIN + (first - main_steps) * BLOCK_K)
-        k_hi = tl.where(last <= main_steps, ((last - 1) // k_steps) * KW * CIN + ((last - 1) % k_steps) * BLOCK_K,
-                        KH * KW * CIN + (last - 1 - main_steps) * BLOCK_K) + BLOCK_K
+        k_lo = tl.where(first < main_steps, (first // k_steps) * ROW + (first % k_steps) * BLOCK_K,
+                        KH * ROW + (first - main_steps) * BLOCK_K)
+        k_hi = tl.where(last <= main_steps, ((last - 1) // k_steps) * ROW + ((last - 1) % k_steps) * BLOCK_K,
+                        KH * ROW + (last - 1 - main_steps) * BLOCK_K) + BLOCK_K
         _prefetch_weights(w_ptr, k_lo, tl.minimum(k_hi, K), K, COUT, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, W_KMAJOR)
     wait_for_prior_kernel(GDC)  # nothing above loaded or stored
 
+    offs_k = tl.arange(0, BLOCK_K)
+    ih0, iw0 = oh * STRIDE - PAD, ow * STRIDE - PAD  # each output pixel's window's start (< 0: in the padding)
+    window = ((img * H + ih0) * W + iw0) * CIN  # ... as an offset into x, at the window's first row
+    if SC_STRIDE > 0:  # each output pixel's input pixel in the shortcut, as an offset into it
+        shortcut = ((img * SC_H + oh * SC_STRIDE) * SC_W + ow * SC_STRIDE) * SC_CIN
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _accumulate(acc, x_ptr, w_ptr, first, tl.minimum(last, main_steps), img, oh * STRIDE - PAD,
-                      ow * STRIDE - PAD, m_ok, offs_n, n_ok, H, W, CIN, 0, K, COUT, a_inv, KW, PAD, PRECISION, FP8,
-                      W_KMAJOR, BLOCK_K)
-    if SC_STRIDE > 0:
-        acc = _accumulate(acc, res_ptr, w_ptr, tl.maximum(first - main_steps, 0), last - main_steps, img,
-                          oh * SC_STRIDE, ow * SC_STRIDE, m_ok, offs_n, n_ok, SC_H, SC_W, SC_CIN, KH * KW * CIN, K,
-                          COUT, a_inv, 1, 0, PRECISION, FP8, W_KMAJOR, BLOCK_K)
+    # One flat loop over every K step (window row kh, K tile in that row; then the shortcut's K tiles), so Triton
+    # software-pipelines all of it: the shortcut's first loads are in flight while the window's last tiles multiply.
+    for step in range(first, last):
+        kh = step // k_steps
+        k0 = (step % k_steps) * BLOCK_K  # the K tile's first position inside the window row
+        src, rows, row_len, w_row = x_ptr, window + kh * W * CIN, ROW, kh * ROW
+        if SC_STRIDE > 0:  # a step past the window reads the shortcut's channels instead (scalar and 1-D selects)
+            in_shortcut = step >= main_steps
+            k0 = tl.where(in_shortcut, (step - main_steps) * BLOCK_K, k0)
+            src = tl.where(in_shortcut, res_ptr, x_ptr)
+            # (through a tl.where, Triton's alignment analysis would lose the rows' 16-element alignment, and with it
+            # the asynchronous copies of A)
+            rows += in_shortcut.to(tl.int32) * (shortcut - rows)
+            row_len = tl.where(in_shortcut, SC_CIN, ROW)
+            w_row = tl.where(in_shortcut, KH * ROW, w_row)
+        kk = k0 + offs_k  # positions inside the row
+        k = w_row + kk  # rows of the weights
+        a_mask = m_ok[:, None] & (kk < row_len)[None, :]
+        if PAD > 0:  # the window may hang over the image border: those elements are the zero padding
+            ih = ih0 + kh
+            col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
+            inside = ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
+            if SC_STRIDE > 0:
+                inside = inside | in_shortcut
+            a_mask = a_mask & inside
+        a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+        if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
+            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
+        if W_KMAJOR:
+            b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
+        else:
+            b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
+        b = tl.load(b_ptrs, mask=(kk < row_len)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
 
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv, HAS_RES, RELU, FP8)
