@@ -62,10 +62,10 @@ class TritonTier(PythonTier):
     # launch: each kernel through Triton's own launch path (jit; the CPU's default), or a forward recorded once and
     # replayed through the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the
     # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
-    # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes
-    # (kernels/triton/pdl.py; from Hopper on, the build stats say whether it ran). Off by default: on the H100 it
-    # gained 1.5% at batch 1 under a CUDA graph, and without one that cell took 0.80 ms against 0.56-0.75 ms in
-    # this session's other processes (results/.../checks/batch1/): no gain established.
+    # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes, and each
+    # convolution prefetches its weights into L2 before waiting for it (kernels/triton/pdl.py; from Hopper on, the
+    # build stats say whether it ran). Off by default until a default run measures it: on the H100, bf16 batch 1
+    # under a CUDA graph 0.311 -> 0.279 ms and batch 256 unchanged (results/.../checks/fused-shortcut/).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
