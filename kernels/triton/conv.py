@@ -146,6 +146,14 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr,
 
 
 @triton.jit
+def _first_weight_row(step, k_steps, main_steps, ROW, KH, BLOCK_K: tl.constexpr):
+    """The first K row of the weights that K step `step` reads: in window row step // k_steps, or past the window's
+    KH * ROW rows, in the shortcut's."""
+    return tl.where(step < main_steps, (step // k_steps) * ROW + (step % k_steps) * BLOCK_K,
+                    KH * ROW + (step - main_steps) * BLOCK_K)
+
+
+@triton.jit
 def _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, n0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       W_KMAJOR: tl.constexpr):
     """prefetch_l2 every 128-byte line of the weights' K rows [k_lo, k_hi) for output channels n0..n0+BLOCK_N: one
@@ -203,21 +211,20 @@ def conv2d_nhwc_kernel(
     ROW = KW * CIN  # elements in one window row, contiguous in memory
     k_steps = tl.cdiv(ROW, BLOCK_K)
     main_steps = KH * k_steps
+    steps = main_steps + tl.cdiv(SC_CIN, BLOCK_K)
     K = KH * ROW + SC_CIN
     if SPLIT_K == 1:
-        first, last = 0, main_steps + tl.cdiv(SC_CIN, BLOCK_K)
+        first, last = 0, steps
     else:
-        per_slice = tl.cdiv(main_steps + tl.cdiv(SC_CIN, BLOCK_K), SPLIT_K)
+        per_slice = tl.cdiv(steps, SPLIT_K)
         first = (pid // (num_m * num_n)) * per_slice
-        last = tl.minimum(first + per_slice, main_steps + tl.cdiv(SC_CIN, BLOCK_K))
+        last = tl.minimum(first + per_slice, steps)
     # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, from one program per
     # weight tile (the first M tile's; the others then find it there too).
     if GDC and pid_m == 0 and last > first:
-        k_lo = tl.where(first < main_steps, (first // k_steps) * ROW + (first % k_steps) * BLOCK_K,
-                        KH * ROW + (first - main_steps) * BLOCK_K)
-        k_hi = tl.where(last <= main_steps, ((last - 1) // k_steps) * ROW + ((last - 1) % k_steps) * BLOCK_K,
-                        KH * ROW + (last - 1 - main_steps) * BLOCK_K) + BLOCK_K
-        _prefetch_weights(w_ptr, k_lo, tl.minimum(k_hi, K), K, COUT, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, W_KMAJOR)
+        k_hi = tl.minimum(_first_weight_row(last - 1, k_steps, main_steps, ROW, KH, BLOCK_K) + BLOCK_K, K)
+        _prefetch_weights(w_ptr, _first_weight_row(first, k_steps, main_steps, ROW, KH, BLOCK_K), k_hi, K, COUT,
+                          pid_n * BLOCK_N, BLOCK_K, BLOCK_N, W_KMAJOR)
     wait_for_prior_kernel(GDC)  # nothing above loaded or stored
 
     offs_k = tl.arange(0, BLOCK_K)
