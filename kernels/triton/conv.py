@@ -60,6 +60,8 @@ def _config(bm, bn, bk, stages, warps, split=1):
 # Split-K's bounds: a partial tile holds at most SPLIT_TILE fp32 values, and a split launch has at most
 # SPLIT_PROGRAMS programs (two waves of an H100's or H200's 132 SMs), so one workspace of their product serves all.
 SPLIT_TILE, SPLIT_PROGRAMS = 64 * 128, 264
+# Tiles of at most this many outputs (batch 1's) load their epilogue's operands early: 16 values a thread at 4 warps.
+EARLY_TILE: tl.constexpr = tl.constexpr(32 * 64)
 
 # Large tiles for the big batches, narrow ones for batch 1 (few output pixels: more programs, fuller GPU), and
 # split-K over narrow tiles for the layers that have too few output tiles to fill the GPU (kept by _prune only there).
@@ -99,11 +101,12 @@ def _prune(configs, args, **_):
 
 
 def _fixed(m, cout, kh, row, elem, shortcut=0):
-    """The one config used untuned (autotune off: tiles sized to the problem; interpreter: the largest tiles, since
-    it runs each tile operation as one numpy call, so fewer, bigger tiles are much faster), split-K as deep as
-    _split_fits allows."""
+    """The one config used untuned (autotune off: tiles sized to the problem; interpreter: the largest tiles the
+    problem fills, since it runs each tile operation as one numpy call, so fewer, bigger tiles are much faster),
+    split-K as deep as _split_fits allows."""
     if INTERPRET:
-        bm, bn, bk, warps, stages = 64, 128, min(128, max(16, triton.next_power_of_2(row))), 4, 2
+        bm, bn = 32 if m <= 32 else 64, 64 if cout <= 64 else 128
+        bk, warps, stages = min(128, max(16, triton.next_power_of_2(row))), 4, 2
     else:
         bm = 128 if m >= 16384 else 64 if m >= 2048 else 32
         bn = 128 if cout >= 128 and bm >= 64 else 64
@@ -126,18 +129,33 @@ def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv,
-              HAS_RES: tl.constexpr, RELU: tl.constexpr, FP8: tl.constexpr):
-    """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual, ReLU; stored (in
-    e4m3: scaled by 1 / the output's scale and saturated first)."""
-    m_ok, n_ok = offs_m < M, offs_n < COUT
+def _channel_operands(bias_ptr, scale_ptr, offs_n, n_ok, FP8: tl.constexpr):
+    """The epilogue's per-output-channel operands: the folded bias, and FP8's scales (1.0 outside FP8)."""
+    bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0) if FP8 else 1.0
+    return bias, scale
+
+
+@triton.jit
+def _output_tile(offs_m, offs_n, M, COUT):
+    """Offsets and mask of an output tile in y [M, COUT] (and in the residual, shaped like it)."""
+    return offs_m[:, None] * COUT + offs_n[None, :], (offs_m < M)[:, None] & (offs_n < COUT)[None, :]
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LOAD_RES: tl.constexpr,
+              RELU: tl.constexpr, FP8: tl.constexpr):
+    """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual (`res`, loaded
+    early, or 0.0; with LOAD_RES loaded here, from res_ptr), ReLU; stored (in e4m3: scaled by 1 / the output's scale
+    and saturated first)."""
     if FP8:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_offs = offs_m[:, None] * COUT + offs_n[None, :]
-    y_mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
+        acc = acc * scale[None, :]
+    acc += bias[None, :]
+    y_offs, y_mask = _output_tile(offs_m, offs_n, M, COUT)
+    if LOAD_RES:
         acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+    else:
+        acc += res
     if RELU:
         acc = tl.maximum(acc, 0.0)
     if y_ptr.dtype.element_ty.is_fp8():
@@ -225,8 +243,18 @@ def conv2d_nhwc_kernel(
         k_hi = tl.minimum(_first_weight_row(last - 1, k_steps, main_steps, ROW, KH, BLOCK_K) + BLOCK_K, K)
         _prefetch_weights(w_ptr, _first_weight_row(first, k_steps, main_steps, ROW, KH, BLOCK_K), k_hi, K, COUT,
                           pid_n * BLOCK_N, BLOCK_K, BLOCK_N, W_KMAJOR)
-    wait_for_prior_kernel(GDC)  # nothing above loaded or stored
+    # A small tile (batch 1's: latency-bound) loads its epilogue's operands early, so their latency is not added
+    # after the last K step: the per-channel ones, which no kernel writes, even before the wait (off the chain of
+    # kernels), the residual before the K loop. A large tile would hold them in registers through the loop.
+    EARLY: tl.constexpr = BLOCK_M * BLOCK_N <= EARLY_TILE
+    if EARLY:
+        bias, scale = _channel_operands(bias_ptr, scale_ptr, offs_n, n_ok, FP8)
+    wait_for_prior_kernel(GDC)  # nothing above loaded what a kernel writes, or stored
 
+    res = 0.0
+    if EARLY and HAS_RES:
+        y_offs, y_mask = _output_tile(offs_m, offs_n, M, COUT)
+        res = tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     ih0, iw0 = oh * STRIDE - PAD, ow * STRIDE - PAD  # each output pixel's window's start (< 0: in the padding)
     window = ((img * H + ih0) * W + iw0) * CIN  # ... as an offset into x, at the window's first row
@@ -268,8 +296,11 @@ def conv2d_nhwc_kernel(
         b = tl.load(b_ptrs, mask=(kk < row_len)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
 
+    LATE_RES: tl.constexpr = HAS_RES and not EARLY
+    if not EARLY:
+        bias, scale = _channel_operands(bias_ptr, scale_ptr, offs_n, n_ok, FP8)
     if SPLIT_K == 1:
-        _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv, HAS_RES, RELU, FP8)
+        _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
     else:
         tiles = num_m * num_n
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -282,8 +313,7 @@ def conv2d_nhwc_kernel(
                 acc += tl.load(part_ptr + ((k_slice * tiles + tile) * BLOCK_M * BLOCK_N + in_tile),
                                cache_modifier=".cg")  # from L2, where the other SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-            _epilogue(acc, offs_m, offs_n, M, COUT, bias_ptr, res_ptr, y_ptr, scale_ptr, out_inv, HAS_RES, RELU,
-                      FP8)
+            _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
 
 
 @autotune([triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)],
