@@ -183,9 +183,11 @@ def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(s
     assert all(r["verdict"] == "within noise" for r in timed) and len(timed) + sum(
         r["verdict"] == "contended: not compared" for r in rows) == 2
     assert all(r["basis"] == f"floor {compare.NOISE_FLOOR['cpu']:.0%} cpu" for r in timed)
-    two = [r for r in compare.compare(compare.load_side([a, b]), compare.load_side([b, a]), 0.03)
-           if r["rung"] == "eager" and r["basis"]]  # the cells both runs measured
-    assert two and all(r["basis"] == "2+2 runs" and r["verdict"] == "within noise" for r in two)
+    eager = [r for r in compare.compare(compare.load_side([a, b]), compare.load_side([b, a]), 0.03)
+             if r["rung"] == "eager"]
+    two = [r for r in eager if r["basis"]]  # the cells both runs measured, uncontended
+    assert two or any(r["verdict"] == "contended: not compared" for r in eager)
+    assert all(r["basis"] == "2+2 runs" and r["verdict"] == "within noise" for r in two)
     slow = []
     for i, path in enumerate((a, b)):
         doc = json.loads(path.read_text())
