@@ -68,7 +68,7 @@ EARLY_TILE: tl.constexpr = tl.constexpr(32 * 64)
 CONFIGS = [_config(128, 256, 64, 3, 8), _config(128, 128, 64, 3, 8), _config(128, 128, 64, 4, 4),
            _config(128, 64, 64, 4, 4), _config(64, 128, 64, 4, 4), _config(64, 64, 64, 4, 4),
            _config(32, 64, 64, 4, 4), _config(32, 32, 128, 4, 4)] + [
-    _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
+    _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 32), (32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
 
 
 def _steps(kh: int, row: int, bk: int, shortcut: int = 0) -> int:
@@ -304,14 +304,16 @@ def conv2d_nhwc_kernel(
     else:
         tiles = num_m * num_n
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(part_ptr + (pid * BLOCK_M * BLOCK_N + in_tile), acc)  # pid = slice * tiles + tile
+        # only the rows of real output pixels: the classifier at batch 1 fills one row of its tile's 32
+        tl.store(part_ptr + (pid * BLOCK_M * BLOCK_N + in_tile), acc, mask=m_ok[:, None])  # pid: slice * tiles + tile
         tl.debug_barrier()  # every thread's part of the partial stored before the counter says it is
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the tile's slices
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k_slice in tl.static_range(SPLIT_K):  # in slice order: the same sum whichever slice came last;
                 # unrolled, so the loads of all slices are in flight together, not one L2 round trip per slice
                 acc += tl.load(part_ptr + ((k_slice * tiles + tile) * BLOCK_M * BLOCK_N + in_tile),
-                               cache_modifier=".cg")  # from L2, where the other SMs' partials are
+                               mask=m_ok[:, None], other=0.0, cache_modifier=".cg")  # from L2, where the other
+                # SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
             _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
 
