@@ -3,8 +3,10 @@ child, the C++ protocol's own in a C++ rung's), each kernel with its launches, t
 per step, the GPU's busy time against the step's wall time, and the kernels' time by layer and layer group.
 
 What counts as a kernel: on the GPU each kernel, copy and memset the trace holds (CUPTI); on the CPU each operator
-with its self time (there are no kernels to count). Which layer a kernel belongs to is read from the trace, innermost
-first, by the first of these that applies to the host range that launched it:
+with its self time (there are no kernels to count). A kernel's time is what it owns: from the later of its start
+and the end of the kernel before it on its stream (`owned_time`: a dependent launch starts early and waits). Which
+layer a kernel belongs to is read from the trace, innermost first, by the first of these that applies to the host
+range that launched it:
 - the rung's own ranges: those it adds to the trace with the layer in their args (ONNX Runtime's nodes, named by
   the exporter's module scopes; the cudnn rung's schedule);
 - module scopes: the ranges the rung put around each module's forward (core.layers.module_scopes, eager);
@@ -189,14 +191,17 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
     launches = {(e.get("args") or {}).get("correlation"): e for e in events if e.get("cat") in LAUNCH_CATS}
     units: list[Unit] = []
     if gpu:
+        on_streams = []
         for e in events:
             if e.get("cat") not in KERNEL_CATS:
                 continue
             launch = launches.get((e.get("args") or {}).get("correlation"))
             tid = (launch.get("pid"), launch.get("tid")) if launch else None
             host = innermost(threads[tid], starts[tid], float(launch["ts"])) if launch and tid in threads else None
-            units.append(Unit(e["name"], float(e["ts"]), float(e.get("dur", 0)),
-                              float(launch["ts"]) if launch else float(e["ts"]), host))
+            on_streams.append(((e.get("pid"), e.get("tid")), Unit(e["name"], float(e["ts"]), float(e.get("dur", 0)),
+                                                                  float(launch["ts"]) if launch else float(e["ts"]),
+                                                                  host)))
+        units = owned_time(on_streams)
     else:  # the CPU: each operator's self time
         children: dict[int, float] = defaultdict(float)
         for h in all_hosts:
@@ -284,6 +289,20 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
                             "groups": sorted(kernel_groups[k])} for k, d in kernel_durs.items()),
                           key=lambda r: -r["total_ms"]),
     }
+
+
+def owned_time(on_streams: list[tuple[Any, Unit]]) -> list[Unit]:
+    """Kernels (`(stream, unit)`: Kineto puts each stream on its own row) by the time each owns. One stream runs
+    its kernels in order, but a dependent launch (Hopper's programmatic dependent launch) starts while the kernel
+    before it still runs and waits for it: each kernel's time counts from the later of its start and the end of the
+    kernel before it on its stream, so that no wait is counted twice. Without dependent launches, nothing changes."""
+    ends: dict[Any, float] = {}
+    owned = []
+    for stream, u in sorted(on_streams, key=lambda su: su[1].start):
+        start, end = max(u.start, ends.get(stream, u.start)), u.start + u.dur
+        ends[stream] = max(end, ends.get(stream, end))
+        owned.append(u._replace(start=start, dur=max(end - start, 0.0)))
+    return owned
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:

@@ -140,7 +140,8 @@ def test_micro_refuses_in_one_line(argv, message):
 def kineto_gpu_trace() -> list[dict]:
     """Two steps of a trace in Kineto's CUDA format: in each, the stem's convolution (a cuDNN kernel launched from
     aten::convolution inside the stem's scope) and a fused kernel of no scope after layer1.0.conv1, on a side
-    thread's launch; the second step's two kernels overlap (busy < their sum)."""
+    thread's launch; in the second step, the fused kernel runs on a stream of its own, overlapping the convolution
+    (busy < their sum)."""
     events = []
     stem, l1 = convolutions("resnet18")[0], convolutions("resnet18")[1]
 
@@ -158,7 +159,8 @@ def kineto_gpu_trace() -> list[dict]:
                                          "triton_poi_fused_relu_0")):
             events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
                            "ts": at, "dur": 5, "args": {"correlation": corr}})
-            events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+            stream = 8 if step and name.startswith("triton") else 7
+            events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
                            "args": {"correlation": corr}})
     return events
 
@@ -174,6 +176,19 @@ def test_gpu_trace_kernels_are_attributed_through_their_launches():
     assert layers["layer1.0"]["basis"] == "after a convolution"  # the fused kernel: its block, never split
     (conv,) = [k for k in c["kernels"] if k["name"].startswith("sm90")]
     assert conv["launches"] == 2 and conv["median_us"] == 60 and conv["groups"] == ["layer1", "stem"]
+
+
+def test_a_dependent_launch_owns_its_time_from_the_end_of_the_kernel_before_it():
+    """On one stream, a kernel that starts before the one before it ends (a programmatic dependent launch, waiting)
+    counts from that end: kernel time is the busy time, not the overlapping durations' sum."""
+    events = kineto_gpu_trace()
+    for e in events:
+        if e.get("cat") == "kernel":
+            e["tid"] = 7
+    c = census.summarise(events, convolutions("resnet18"), flops_per_group("resnet18", 32), 2, False)
+    assert c["kernel_ms"] == pytest.approx((0.18 + 0.15) / 2) == pytest.approx(c["busy_ms"])
+    layers = {x["layer"]: x for x in c["layers"]}
+    assert layers["layer1.0"]["ms"] == pytest.approx((0.06 + 0.03) / 2)  # the second step's 30 µs wait left out
 
 
 def test_a_trace_without_steps_is_refused():

@@ -53,6 +53,7 @@ def test_dependent_launches_are_refused_on_the_cpu():
     cell = Cell(tier="triton", model="resnet18", batch=1, res=32, device="cpu", options=(("pdl", "on"),))
     assert "programmatic dependent launch" in TIER.supports(cell)
     assert TIER.supports(Cell(tier="triton", model="resnet18", batch=1, res=32, device="cpu")) is None
+    assert TIER.option_default("pdl", "cpu") == "off" and TIER.option_default("pdl", "cuda") == "on"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -68,7 +68,7 @@ EARLY_TILE: tl.constexpr = tl.constexpr(32 * 64)
 CONFIGS = [_config(128, 256, 64, 3, 8), _config(128, 128, 64, 3, 8), _config(128, 128, 64, 4, 4),
            _config(128, 64, 64, 4, 4), _config(64, 128, 64, 4, 4), _config(64, 64, 64, 4, 4),
            _config(32, 64, 64, 4, 4), _config(32, 32, 128, 4, 4)] + [
-    _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 32), (32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
+    _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
 
 
 def _steps(kh: int, row: int, bk: int, shortcut: int = 0) -> int:
