@@ -62,5 +62,5 @@ def identity(cell: Cell) -> str:
     """The cell's key with every option at its rung's default left out: what makes two cells one measurement, for
     resume and for merged reports (`--option onnxruntime:conv-algo-search=EXHAUSTIVE` and no option)."""
     rung = all_tiers().get(cell.tier)
-    kept = tuple((k, v) for k, v in cell.options if not (rung and v == rung.option_default(k, cell.device)))
+    kept = tuple((k, v) for k, v in cell.options if not (rung and v == rung.option_default(k, cell)))
     return dataclasses.replace(cell, options=kept).key

@@ -66,14 +66,15 @@ class Tier:
             return f"{self.name} does not capture its training step in a CUDA graph"
         return None
 
-    def option_default(self, key: str, device: str) -> str | None:
-        """The value an unset option takes on `device` (the first of its choices; None for integer options)."""
+    def option_default(self, key: str, cell: Cell) -> str | None:
+        """The value an unset option takes in `cell`, on its device and in its dtype (the first of its choices; None
+        for integer options)."""
         choices = self.options.get(key)
         return choices[0] if choices else None
 
     def setting(self, cell: Cell, key: str) -> str | None:
-        """The cell's value of option `key`: as given, else its default on the cell's device."""
-        return cell.option(key, self.option_default(key, cell.device))
+        """The cell's value of option `key`: as given, else its default in that cell."""
+        return cell.option(key, self.option_default(key, cell))
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict[str, Any]]:
         """Per-layer microbenchmark on the GPU: one row per layer or distinct convolution (has_micro says whether

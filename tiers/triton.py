@@ -64,20 +64,22 @@ class TritonTier(PythonTier):
     # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
     # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes, and each
     # convolution prefetches its weights into L2 before waiting for it (kernels/triton/pdl.py; from Hopper on, the
-    # build stats say whether it ran). The GPU's default: on the H100, bf16 batch 1 under a CUDA graph 0.31 ->
-    # 0.28 ms on three machines, batch 256 no slower (results/.../checks/fused-shortcut/, checks/early-epilogue/).
+    # build stats say whether it ran). The GPU's default outside strict fp32: on the H100, bf16 batch 1 under a
+    # CUDA graph 0.31 -> 0.28 ms on three machines, batch 256 no slower; fp32 batch 32 7.68 -> 8.37 ms
+    # (results/.../checks/fused-shortcut/, checks/early-epilogue/, checks/pdl-default/).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
     has_micro = True
 
-    def option_default(self, key: str, device: str) -> str | None:
+    def option_default(self, key: str, cell: Cell) -> str | None:
+        gpu = cell.device == "cuda"
         if key == "launch":  # the interpreter (the CPU) compiles nothing to replay
-            return "plan" if device == "cuda" else "jit"
-        if key == "pdl":  # nor has it dependent launches
-            return "on" if device == "cuda" else "off"
-        return super().option_default(key, device)
+            return "plan" if gpu else "jit"
+        if key == "pdl":  # nor has it dependent launches; strict fp32 measured slower with them (batch 32: 9%)
+            return "on" if gpu and cell.dtype != "fp32" else "off"
+        return super().option_default(key, cell)
 
     def availability(self, device: str) -> str | None:
         if device == "cpu":

@@ -172,12 +172,13 @@ def _first_weight_row(step, k_steps, main_steps, ROW, KH, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, n0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, n0, part, parts, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       W_KMAJOR: tl.constexpr):
-    """prefetch_l2 every 128-byte line of the weights' K rows [k_lo, k_hi) for output channels n0..n0+BLOCK_N: one
-    address per line, along the contiguous side (COUT, or K where K-major)."""
+    """prefetch_l2 every 128-byte line of part `part` of `parts` (every parts-th K tile) of the weights' K rows
+    [k_lo, k_hi) for output channels n0..n0+BLOCK_N: one address per line, along the contiguous side (COUT, or K
+    where K-major)."""
     LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per line
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(k_lo + part * BLOCK_K, k_hi, parts * BLOCK_K):
         if W_KMAJOR:  # [COUT, K]: each channel's BLOCK_K run is contiguous
             lines: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
             n = tl.minimum(n0 + tl.arange(0, BLOCK_N), COUT - 1)
@@ -237,12 +238,13 @@ def conv2d_nhwc_kernel(
         per_slice = tl.cdiv(steps, SPLIT_K)
         first = (pid // (num_m * num_n)) * per_slice
         last = tl.minimum(first + per_slice, steps)
-    # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, from one program per
-    # weight tile (the first M tile's; the others then find it there too).
-    if GDC and pid_m == 0 and last > first:
+    # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, each line once,
+    # shared among the programs of the slice's column of tiles (program pid_m takes every num_m-th K tile): one
+    # program alone would start its own tile that much later.
+    if GDC and last > first:
         k_hi = tl.minimum(_first_weight_row(last - 1, k_steps, main_steps, ROW, KH, BLOCK_K) + BLOCK_K, K)
         _prefetch_weights(w_ptr, _first_weight_row(first, k_steps, main_steps, ROW, KH, BLOCK_K), k_hi, K, COUT,
-                          pid_n * BLOCK_N, BLOCK_K, BLOCK_N, W_KMAJOR)
+                          pid_n * BLOCK_N, pid_m, num_m, BLOCK_K, BLOCK_N, W_KMAJOR)
     # A small tile (batch 1's: latency-bound) loads its epilogue's operands early, so their latency is not added
     # after the last K step: the per-channel ones, which no kernel writes, even before the wait (off the chain of
     # kernels), the residual before the K loop. A large tile would hold them in registers through the loop.
