@@ -314,8 +314,8 @@ def conv2d_nhwc_kernel(
             for k_slice in tl.static_range(SPLIT_K):  # in slice order: the same sum whichever slice came last;
                 # unrolled, so the loads of all slices are in flight together, not one L2 round trip per slice
                 acc += tl.load(part_ptr + ((k_slice * tiles + tile) * BLOCK_M * BLOCK_N + in_tile),
-                               mask=m_ok[:, None], other=0.0, cache_modifier=".cg")  # from L2, where the other
-                # SMs' partials are
+                               mask=m_ok[:, None], other=0.0,
+                               cache_modifier=".cg")  # from L2, where the other SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
             _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
 
