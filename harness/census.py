@@ -198,9 +198,9 @@ def summarise(events: list[dict], convs: tuple[Conv, ...], group_flops: dict[str
             launch = launches.get((e.get("args") or {}).get("correlation"))
             tid = (launch.get("pid"), launch.get("tid")) if launch else None
             host = innermost(threads[tid], starts[tid], float(launch["ts"])) if launch and tid in threads else None
-            on_streams.append(((e.get("pid"), e.get("tid")), Unit(e["name"], float(e["ts"]), float(e.get("dur", 0)),
-                                                                  float(launch["ts"]) if launch else float(e["ts"]),
-                                                                  host)))
+            unit = Unit(e["name"], float(e["ts"]), float(e.get("dur", 0)),
+                        float(launch["ts"]) if launch else float(e["ts"]), host)
+            on_streams.append(((e.get("pid"), e.get("tid")), unit))
         units = owned_time(on_streams)
     else:  # the CPU: each operator's self time
         children: dict[int, float] = defaultdict(float)

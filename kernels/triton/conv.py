@@ -147,7 +147,9 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, ou
               RELU: tl.constexpr, FP8: tl.constexpr):
     """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual (`res`, loaded
     early, or 0.0; with LOAD_RES loaded here, from res_ptr), ReLU; stored (in e4m3: scaled by 1 / the output's scale
-    and saturated first)."""
+    and saturated first). A large tile loads its residual here, after the bias is added: loaded before (in the
+    caller), it is live beside the accumulator and the bias, and a 128x128 tile needs 132 registers instead of 128,
+    one program per SM instead of two."""
     if FP8:
         acc = acc * scale[None, :]
     acc += bias[None, :]
@@ -454,7 +456,8 @@ def fuse_shortcut(last: PackedConv, down: PackedConv) -> PackedConv:
     and a block is one launch shorter. Not in FP8, where the two inputs would need scales of their own."""
     if last.fp8 or down.fp8 or (down.kh, down.kw, down.pad) != (1, 1, 0) or last.kmajor != down.kmajor:
         raise ValueError(f"fuse_shortcut takes a 1x1 unpadded downsample packed like the convolution, outside FP8; "
-                         f"not {down.kh}x{down.kw} pad {down.pad}, fp8 {last.fp8 or down.fp8}")
+                         f"not {down.kh}x{down.kw} pad {down.pad}, fp8 {last.fp8 or down.fp8}, K-major "
+                         f"{last.kmajor}/{down.kmajor}")
     weight = torch.cat([last.weight, down.weight], dim=1 if last.kmajor else 0).contiguous()
     return replace(last, weight=weight, bias=last.bias + down.bias, shortcut_stride=down.stride)
 
