@@ -224,9 +224,6 @@ def conv2d_nhwc_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow) of this tile
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of this tile
     m_ok, n_ok = offs_m < M, offs_n < COUT
-    ow = offs_m % OW
-    oh = (offs_m // OW) % OH
-    img = offs_m // (OW * OH)
 
     # K steps: the window's (KH rows of KW*CIN elements, each row in K tiles), then the shortcut's SC_CIN channels.
     ROW = KW * CIN  # elements in one window row, contiguous in memory
@@ -260,16 +257,26 @@ def conv2d_nhwc_kernel(
         y_offs, y_mask = _output_tile(offs_m, offs_n, M, COUT)
         res = tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    ih0, iw0 = oh * STRIDE - PAD, ow * STRIDE - PAD  # each output pixel's window's start (< 0: in the padding)
-    window = ((img * H + ih0) * W + iw0) * CIN  # ... as an offset into x, at the window's first row
-    if SC_STRIDE > 0:  # each output pixel's input pixel in the shortcut, as an offset into it
+    # Where each output pixel's window starts in x (and its pixel in the shortcut, the block's input). At batch 1 a
+    # kernel is a few thousand instructions per warp, issued with one warp per scheduler: integer divisions by
+    # runtime sizes cost there. A 1x1 stride-1 window (and a stride-1 shortcut) is the output pixel itself.
+    if KH == 1 and KW == 1 and STRIDE == 1 and SC_STRIDE <= 1:
+        window, shortcut = offs_m * CIN, offs_m * SC_CIN
+    else:
+        ow = offs_m % OW
+        oh = (offs_m // OW) % OH
+        img = offs_m // (OW * OH)
+        ih0, iw0 = oh * STRIDE - PAD, ow * STRIDE - PAD  # the window's start (< 0: in the padding)
+        window = ((img * H + ih0) * W + iw0) * CIN  # ... as an offset into x, at the window's first row
         shortcut = ((img * SC_H + oh * SC_STRIDE) * SC_W + ow * SC_STRIDE) * SC_CIN
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # One flat loop over every K step (window row kh, K tile in that row; then the shortcut's K tiles), so Triton
     # software-pipelines all of it: the shortcut's first loads are in flight while the window's last tiles multiply.
+    # The step's window row kh and K tile kt in that row, advanced as counters (no division in the loop).
+    kh = first // k_steps
+    kt = first - kh * k_steps
     for step in range(first, last):
-        kh = step // k_steps
-        k0 = (step % k_steps) * BLOCK_K  # the K tile's first position inside the window row
+        k0 = kt * BLOCK_K  # the K tile's first position inside the window row
         src, rows, row_len, w_row = x_ptr, window + kh * W * CIN, ROW, kh * ROW
         if SC_STRIDE > 0:  # a step past the window reads the shortcut's channels instead (scalar and 1-D selects)
             in_shortcut = step >= main_steps
@@ -299,6 +306,9 @@ def conv2d_nhwc_kernel(
             b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
         b = tl.load(b_ptrs, mask=(kk < row_len)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
+        kt += 1
+        kh += (kt == k_steps).to(tl.int32)
+        kt = tl.where(kt == k_steps, 0, kt)
 
     LATE_RES: tl.constexpr = HAS_RES and not EARLY
     if not EARLY:
