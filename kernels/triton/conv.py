@@ -213,13 +213,18 @@ def conv2d_nhwc_kernel(
     tl.static_assert(SC_STRIDE == 0 or not (HAS_RES or FP8), "a shortcut replaces the residual; bf16/fp32 only")
     # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
     # programs running together share the same weight tiles (and neighbouring input rows) in L2.
+    # (Each integer division by a runtime size is some 20 instructions: batch 1's few tiles take a shorter way.)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(COUT, BLOCK_N)
-    tile = pid % (num_m * num_n)
-    first_m = (tile // (GROUP_M * num_n)) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_m
-    pid_n = (tile % (GROUP_M * num_n)) // group_m
+    tile = pid % (num_m * num_n) if SPLIT_K > 1 else pid
+    if num_m <= GROUP_M:  # one group holds every row of tiles
+        pid_m = tile % num_m
+        pid_n = tile // num_m
+    else:
+        first_m = (tile // (GROUP_M * num_n)) * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % (GROUP_M * num_n)) % group_m
+        pid_n = (tile % (GROUP_M * num_n)) // group_m
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow) of this tile
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of this tile
@@ -240,7 +245,9 @@ def conv2d_nhwc_kernel(
     # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, each line once,
     # shared among the programs of the slice's column of tiles (program pid_m takes every num_m-th K tile): one
     # program alone would start its own tile that much later.
-    if GDC and last > first:
+    if GDC and SPLIT_K == 1:
+        _prefetch_weights(w_ptr, 0, K, K, COUT, pid_n * BLOCK_N, pid_m, num_m, BLOCK_K, BLOCK_N, W_KMAJOR)
+    elif GDC and last > first:
         k_hi = tl.minimum(_first_weight_row(last - 1, k_steps, main_steps, ROW, KH, BLOCK_K) + BLOCK_K, K)
         _prefetch_weights(w_ptr, _first_weight_row(first, k_steps, main_steps, ROW, KH, BLOCK_K), k_hi, K, COUT,
                           pid_n * BLOCK_N, pid_m, num_m, BLOCK_K, BLOCK_N, W_KMAJOR)
@@ -273,7 +280,7 @@ def conv2d_nhwc_kernel(
     # One flat loop over every K step (window row kh, K tile in that row; then the shortcut's K tiles), so Triton
     # software-pipelines all of it: the shortcut's first loads are in flight while the window's last tiles multiply.
     # The step's window row kh and K tile kt in that row, advanced as counters (no division in the loop).
-    kh = first // k_steps
+    kh = first // k_steps if SPLIT_K > 1 else 0
     kt = first - kh * k_steps
     for step in range(first, last):
         k0 = kt * BLOCK_K  # the K tile's first position inside the window row
