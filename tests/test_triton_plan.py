@@ -1,6 +1,7 @@
 """The Triton rung's launch plan (kernels/triton/plan.py) and dependent launches (kernels/triton/pdl.py): on the GPU,
-a planned forward of dependent launches gives the bits of Triton's own launch path without them on every new input;
-on the CPU, where the interpreter compiles nothing and has no dependent launches, the rung refuses both."""
+a planned forward of dependent launches (small grids on copies of their kernels with a fitted carveout) gives the
+bits of Triton's own launch path without them on every new input; on the CPU, where the interpreter compiles
+nothing and has no dependent launches, the rung refuses both."""
 import os
 import subprocess
 import sys
@@ -32,6 +33,19 @@ assert planned.stats["launch"] == "plan" and jit.stats["launch"] == "jit"
 assert planned.stats["pdl"] == "on" and jit.stats["pdl"] == "off"
 (plan,) = planned.forward.plans.values()
 assert all(launch.kernel.metadata.launch_pdl for launch in plan.launches)
+# A grid that leaves room on its SMs launches a copy of its kernel whose carveout just holds its programs.
+import ctypes
+from kernels.triton.carveout import fitted_carveout
+cuda, value = ctypes.CDLL("libcuda.so.1"), ctypes.c_int()
+fitted = 0
+for launch in plan.launches:
+    percent = fitted_carveout(launch.kernel, launch.grid[0] * launch.grid[1] * launch.grid[2], xs[0].device)
+    assert (launch.function != launch.kernel.function) == (percent is not None)
+    if percent is not None:
+        fitted += 1
+        assert cuda.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(launch.function)) == 0
+        assert value.value == percent, (value.value, percent)
+assert fitted > 0
 with torch.no_grad():
     outs = []
     for x in xs + xs[:1]:  # each new input read where the recorded forward read its own

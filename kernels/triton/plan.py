@@ -6,7 +6,8 @@ ResNet-50's 56 launches then cost several times the GPU's 0.34 ms of work. A pla
 recorded forward, what Triton found then (the compiled kernel, its grid, its bound arguments) and calls the compiled
 kernel's launcher directly, as Triton itself does once it has found the kernel. Its activations are the recorded
 forward's buffers: a replay writes the same tensors, and returns the same output tensor each call, as a CUDA
-graph's replay does. Only the input changes: it is substituted where the recorded forward read it.
+graph's replay does. Only the input changes: it is substituted where the recorded forward read it. A launch whose
+grid leaves room on each SM runs a copy of its kernel that prefers L1 to shared memory (kernels/triton/carveout.py).
 
 Compiled kernels exist only on the GPU: the interpreter (TRITON_INTERPRET=1) runs no plan."""
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
+from kernels.triton import carveout
+
 RECORDING: list[Launch] | None = None  # the launches of the forward being recorded (kernels.triton.tuning.launch)
 
 
@@ -27,6 +30,7 @@ class Launch:
     kernel: Any  # triton's CompiledKernel
     grid: tuple[int, int, int]
     args: tuple  # every parameter of the kernel in signature order, constexprs too, as Triton's binder gives them
+    function: int  # the loaded function to launch: the kernel's own, or a copy with a carveout fitted to the grid
 
 
 def note(compiled, fn, grid, args: tuple, kwargs: dict) -> None:
@@ -36,8 +40,10 @@ def note(compiled, fn, grid, args: tuple, kwargs: dict) -> None:
     bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
     bound.apply_defaults()
     g = grid(bound.arguments) if callable(grid) else grid
-    RECORDING.append(Launch(compiled, (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1),
-                            tuple(bound.arguments.values())))
+    g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    RECORDING.append(Launch(compiled, g, tuple(bound.arguments.values()),
+                            carveout.function_for(compiled, g[0] * g[1] * g[2], device)))
 
 
 class Plan:
@@ -56,8 +62,8 @@ class Plan:
             if i in self.reads_input:
                 args = tuple(x if j in self.reads_input[i] else a for j, a in enumerate(args))
             k = launch.kernel
-            k.run(*launch.grid, stream, k.function, k.packed_metadata, k.launch_metadata(launch.grid, stream, *args),
-                  enter, leave, *args)
+            k.run(*launch.grid, stream, launch.function, k.packed_metadata,
+                  k.launch_metadata(launch.grid, stream, *args), enter, leave, *args)
         return self.output
 
 
