@@ -40,6 +40,7 @@ one after another.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -208,6 +209,7 @@ def conv2d_nhwc_kernel(
         KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
         FP8: tl.constexpr, W_KMAJOR: tl.constexpr, SC_STRIDE: tl.constexpr,  # SC_STRIDE 0: no shortcut
+        K_ALIGN: tl.constexpr,  # a power of two (at most 128) dividing KW * CIN and SC_CIN
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
         GROUP_M: tl.constexpr = 8, GDC: tl.constexpr = False):
     tl.static_assert(SC_STRIDE == 0 or not (HAS_RES or FP8), "a shortcut replaces the residual; bf16/fp32 only")
@@ -296,7 +298,9 @@ def conv2d_nhwc_kernel(
             w_row = tl.where(in_shortcut, KH * ROW, w_row)
         kk = k0 + offs_k  # positions inside the row
         k = w_row + kk  # rows of the weights
-        a_mask = m_ok[:, None] & (kk < row_len)[None, :]
+        # K tiles that divide the window rows and the shortcut's channels are never partial: no mask along K
+        k_ok = kk < row_len if K_ALIGN % BLOCK_K else tl.full((BLOCK_K,), True, tl.int1)
+        a_mask = m_ok[:, None] & k_ok[None, :]
         if PAD > 0:  # the window may hang over the image border: those elements are the zero padding
             ih = ih0 + kh
             col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
@@ -311,7 +315,7 @@ def conv2d_nhwc_kernel(
             b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
         else:
             b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
-        b = tl.load(b_ptrs, mask=(kk < row_len)[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
         kt += 1
         kh += (kt == k_steps).to(tl.int32)
@@ -505,6 +509,6 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
     args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
             *_split_buffers(x.device), p.kh, p.kw, p.stride, p.pad, residual is not None, relu, precision, p.fp8,
-            p.kmajor, p.shortcut_stride)
+            p.kmajor, p.shortcut_stride, math.gcd(p.kw * cin, sc_cin, 128))
     launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size(), sc_cin), pdl)
     return y
