@@ -1,0 +1,181 @@
+"""Tunes the triton rung's convolution configurations for one batch inside the network, under a CUDA graph.
+
+The autotuner times each convolution alone (kernels/triton/tuning.py). At batch 1 that ranks configurations
+differently from the chain of 53 dependent launches they run in: a kernel alone starts cold and nothing overlaps
+it (docs/notes/handwritten-toward-the-limit.md). Here every candidate is timed where it runs:
+1. Variant i replays the network with candidate i of every convolution's key (the autotuner's list for that shape,
+   plus each small tile with 8 warps and with 3 stages), captured in a CUDA graph and profiled (CUPTI).
+2. Each kernel's own time in the chain (its end minus the end of the kernel before it) scores its key's candidate.
+3. The best candidate of every key, together, is timed against the table as it stands: graph replays back to
+   back, alternating the two, `--rounds` times. Only a faster whole is written (`--out`, and merged into
+   `--merge-into`, e.g. the shipped table).
+
+    python3 bench/chain_tune.py --batch 1 --dtype bf16 --out runs/chain-b1.json \
+        --merge-into kernels/tunings/nvidia-h100-80gb-hbm3/triton.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from core.cell import Cell, Store  # noqa: E402
+from core.env import device_slug  # noqa: E402
+from core.model import build_model  # noqa: E402
+from core.placement import place_model, torch_dtype  # noqa: E402
+from harness.context import shipped_tunings  # noqa: E402
+from kernels.triton import tuning  # noqa: E402
+from kernels.triton.conv import CONFIGS, _prune  # noqa: E402
+from tiers.triton import TIER, triton_version  # noqa: E402
+
+SMALL_TILE = 64 * 64  # tiles of at most this many outputs also run as 8-warp and 3-stage candidates
+
+
+def candidates(key: str, example: torch.Tensor) -> list[dict]:
+    """The autotuner's configurations for a convolution key (M,H,W,CIN,COUT,KH,KW,...), as table entries, plus
+    each small tile with 8 warps and with 3 stages."""
+    m, _, _, cin, cout, kh, kw = (int(v) for v in key.split("|")[1].split(",")[:7])
+    sc_cin = int(key.split("|")[1].split(",")[9])
+    pruned = _prune(CONFIGS, dict(x_ptr=example, KW=kw, CIN=cin, M=m, COUT=cout, KH=kh, SC_CIN=sc_cin))
+    listed = [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages} for c in pruned]
+    small = [c for c in listed if c["kwargs"]["BLOCK_M"] * c["kwargs"]["BLOCK_N"] <= SMALL_TILE]
+    return listed + [{**c, "num_warps": 8} for c in small] + [{**c, "num_stages": 3} for c in small]
+
+
+class Chain:
+    """The rung's network on one input, re-recorded under any tuning table and replayed in a CUDA graph."""
+
+    def __init__(self, model: str, batch: int, res: int, dtype: str) -> None:
+        cell = Cell(tier="triton", model=model, batch=batch, res=res, dtype=dtype, device="cuda", channels_last=True)
+        net = place_model(build_model(model).eval(), cell)
+        self.x = torch.randn(batch, 3, res, res, device="cuda", dtype=torch_dtype(dtype)).contiguous(
+            memory_format=torch.channels_last)
+        self.gpu = torch.cuda.get_device_name()
+        self.shipped_path = shipped_tunings(device_slug({"gpu": {"name": self.gpu}}), "triton")
+        self.net = TIER.build(net, self.x, cell, Store(tunings=self.shipped_path)).forward
+        self.shipped = dict(tuning.TABLE)
+        self.keys: list[str] = []  # the convolutions' table keys, in launch order (None for the other kernels)
+        self.kept = []  # every recorded plan stays alive: its graphs replay into its buffers
+
+    def record(self, table: dict) -> list[str | None]:
+        """Re-records the forward with `table`; returns each launch's key (None where it is not a convolution)."""
+        seen: list[str] = []
+        original = tuning.table_key
+
+        def noting(kernel, args):
+            seen.append(key := original(kernel, args))
+            return key
+        tuning.TABLE.clear()
+        tuning.TABLE.update(table)
+        tuning.table_key, self.net.plans = noting, {}
+        try:
+            with torch.no_grad():
+                self.net(self.x)
+        finally:
+            tuning.table_key = original
+        self.kept.append(self.net.plans)
+        return [k if k.startswith("conv2d") else None for k in seen]
+
+    def graph(self, table: dict) -> torch.cuda.CUDAGraph:
+        keys = self.record(table)
+        self.keys = self.keys or keys
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.net(self.x)  # a replay of the plan outside capture first: its lazy state is set up
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.net(self.x)
+        g.replay()
+        torch.cuda.synchronize()
+        return g
+
+
+def owned_us(g: torch.cuda.CUDAGraph, launches: int) -> list[float]:
+    """Each kernel's own time in the last of five profiled replays: its end minus the end of the kernel before."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+    last = sorted(events, key=lambda e: e["ts"])[-launches:]
+    ends = [e["ts"] + e["dur"] for e in last]
+    return [last[0]["dur"]] + [b - a for a, b in zip(ends, ends[1:])]
+
+
+def pipelined_us(g: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Microseconds per replay, replays back to back (the ladder's pipelined figure)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        g.replay()
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--res", type=int, default=224)
+    ap.add_argument("--dtype", default="bf16", choices=("fp32", "tf32", "bf16"))
+    ap.add_argument("--rounds", type=int, default=7, help="alternations of the final comparison")
+    ap.add_argument("--replays", type=int, default=400, help="graph replays per timing")
+    ap.add_argument("--out", type=Path, required=True, help="the winners and the comparison, as a tuning table")
+    ap.add_argument("--merge-into", type=Path, help="a tuning table to merge the winners into, if faster")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("chain_tune needs a CUDA GPU")
+
+    chain = Chain(args.model, args.batch, args.res, args.dtype)
+    shipped_graph = chain.graph(chain.shipped)
+    convs = sorted({k for k in chain.keys if k})
+    options = {k: candidates(k, chain.x) for k in convs}
+    scores: dict[str, dict[str, list[float]]] = {k: {} for k in convs}
+    for i in range(max(len(c) for c in options.values())):
+        table = {**chain.shipped, **{k: c[i % len(c)] for k, c in options.items()}}
+        own = owned_us(chain.graph(table), len(chain.keys))
+        for key, us in zip(chain.keys, own):
+            if key:
+                scores[key].setdefault(json.dumps(table[key], sort_keys=True), []).append(us)
+        print(f"variant {i + 1}: {sum(own):.1f} us of kernels", flush=True)
+    best = {k: json.loads(min(s, key=lambda c: statistics.median(s[c]))) for k, s in scores.items()}
+    chosen = {k: c for k, c in best.items() if c != chain.shipped.get(k)}
+    graphs = {"table": shipped_graph, "chosen": chain.graph({**chain.shipped, **chosen})}
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(args.rounds):
+        for name, g in graphs.items():
+            times[name].append(pipelined_us(g, args.replays))
+    table_us, chosen_us = (statistics.median(times[n]) for n in ("table", "chosen"))
+    print(f"{len(chosen)} of {len(convs)} keys changed; per replay: table {table_us:.1f} us, chosen {chosen_us:.1f} us")
+    if chosen_us >= table_us:
+        print("the chosen configurations are not faster: nothing written")
+        return 1
+    about = {"gpu": chain.gpu, "triton": triton_version(),
+             "chain_tune": {"model": args.model, "batch": args.batch, "res": args.res, "dtype": args.dtype,
+                            "table_us": times["table"], "chosen_us": times["chosen"]}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**about, "configs": chosen}, indent=1, sort_keys=True))
+    if args.merge_into:
+        merged = json.loads(args.merge_into.read_text())
+        merged["configs"].update(chosen)
+        args.merge_into.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
