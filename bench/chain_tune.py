@@ -62,7 +62,6 @@ class Chain:
         self.net = TIER.build(net, self.x, cell, Store(tunings=self.shipped_path)).forward
         self.shipped = dict(tuning.TABLE)
         self.keys: list[str] = []  # the convolutions' table keys, in launch order (None for the other kernels)
-        self.kept = []  # every recorded plan stays alive: its graphs replay into its buffers
 
     def record(self, table: dict) -> list[str | None]:
         """Re-records the forward with `table`; returns each launch's key (None where it is not a convolution)."""
@@ -80,10 +79,11 @@ class Chain:
                 self.net(self.x)
         finally:
             tuning.table_key = original
-        self.kept.append(self.net.plans)
         return [k if k.startswith("conv2d") else None for k in seen]
 
     def graph(self, table: dict) -> torch.cuda.CUDAGraph:
+        """The forward recorded with `table`, captured; the graph keeps the plan (whose buffers it replays into)
+        alive as long as itself."""
         keys = self.record(table)
         self.keys = self.keys or keys
         with torch.no_grad():
@@ -95,6 +95,7 @@ class Chain:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 self.net(self.x)
+        g.plans = self.net.plans
         g.replay()
         torch.cuda.synchronize()
         return g
