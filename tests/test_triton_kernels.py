@@ -42,6 +42,7 @@ CONV_CASES = [
     (3, 5, 7, 9, 11, 3, 2, 1, False, True),  # 3x3/s2 over an odd image
     (3, 19, 33, 7, 9, 1, 1, 0, True, False),  # 1x1: a GEMM, residual without ReLU
     (3, 19, 33, 7, 8, 1, 2, 0, False, False),  # 1x1/s2: the downsample shortcut
+    (2, 40, 24, 5, 6, 1, 1, 1, True, True),  # 1x1/s1 padded: its window is not its own pixel
     (2, 4, 9, 8, 12, 3, 2, 1, True, True),  # 3x3/s2 over 4 channels: space-to-depth fills all 16 channels
     (1, 256, 40, 3, 3, 3, 1, 1, True, True),  # layer4's 3x3 at batch 1 in miniature: one output tile, K split in 8
     (1, 1024, 33, 1, 1, 1, 1, 0, False, False),  # the classifier at batch 1: a long K split in 4

@@ -269,7 +269,7 @@ def conv2d_nhwc_kernel(
     # Where each output pixel's window starts in x (and its pixel in the shortcut, the block's input). At batch 1 a
     # kernel is a few thousand instructions per warp, issued with one warp per scheduler: integer divisions by
     # runtime sizes cost there. A 1x1 stride-1 window (and a stride-1 shortcut) is the output pixel itself.
-    if KH == 1 and KW == 1 and STRIDE == 1 and SC_STRIDE <= 1:
+    if KH == 1 and KW == 1 and STRIDE == 1 and PAD == 0 and SC_STRIDE <= 1:
         window, shortcut = offs_m * CIN, offs_m * SC_CIN
     else:
         ow = offs_m % OW
