@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.cell import Cell, Store  # noqa: E402
 from core.env import device_slug  # noqa: E402
+from core.files import write_text_atomic  # noqa: E402
 from core.model import build_model  # noqa: E402
 from core.placement import place_model, torch_dtype  # noqa: E402
 from harness.context import shipped_tunings  # noqa: E402
@@ -61,7 +62,7 @@ class Chain:
         self.shipped_path = shipped_tunings(device_slug({"gpu": {"name": self.gpu}}), "triton")
         self.net = TIER.build(net, self.x, cell, Store(tunings=self.shipped_path)).forward
         self.shipped = dict(tuning.TABLE)
-        self.keys: list[str] = []  # the convolutions' table keys, in launch order (None for the other kernels)
+        self.keys: list[str | None] = []  # the convolutions' table keys, in launch order (None for the other kernels)
 
     def record(self, table: dict) -> list[str | None]:
         """Re-records the forward with `table`; returns each launch's key (None where it is not a convolution)."""
@@ -170,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
              "chain_tune": {"model": args.model, "batch": args.batch, "res": args.res, "dtype": args.dtype,
                             "table_us": times["table"], "chosen_us": times["chosen"]}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**about, "configs": chosen}, indent=1, sort_keys=True))
+    write_text_atomic(args.out, json.dumps({**about, "configs": chosen}, indent=1, sort_keys=True))
     if args.merge_into:
         merged = json.loads(args.merge_into.read_text())
         merged["configs"].update(chosen)
-        args.merge_into.write_text(json.dumps(merged, indent=1, sort_keys=True))
+        write_text_atomic(args.merge_into, json.dumps(merged, indent=1, sort_keys=True))
     return 0
 
 
