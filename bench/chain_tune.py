@@ -39,12 +39,13 @@ from tiers.triton import TIER, triton_version  # noqa: E402
 SMALL_TILE = 64 * 64  # tiles of at most this many outputs also run as 8-warp and 3-stage candidates
 
 
-def candidates(key: str, example: torch.Tensor) -> list[dict]:
-    """The autotuner's configurations for a convolution key (M,H,W,CIN,COUT,KH,KW,...), as table entries, plus
-    each small tile with 8 warps and with 3 stages."""
-    m, _, _, cin, cout, kh, kw = (int(v) for v in key.split("|")[1].split(",")[:7])
-    sc_cin = int(key.split("|")[1].split(",")[9])
-    pruned = _prune(CONFIGS, dict(x_ptr=example, KW=kw, CIN=cin, M=m, COUT=cout, KH=kh, SC_CIN=sc_cin))
+def candidates(key: str) -> list[dict]:
+    """The autotuner's configurations for a convolution key (kernel|M,H,W,CIN,COUT,KH,KW,...|x's dtype,...), as
+    table entries, plus each small tile with 8 warps and with 3 stages."""
+    _, sizes, dtypes = key.split("|")
+    m, _, _, cin, cout, kh, kw = (int(v) for v in sizes.split(",")[:7])
+    x = torch.empty(0, dtype=getattr(torch, dtypes.split(",")[0]))  # _prune reads its element size
+    pruned = _prune(CONFIGS, dict(x_ptr=x, KW=kw, CIN=cin, M=m, COUT=cout, KH=kh, SC_CIN=int(sizes.split(",")[9])))
     listed = [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages} for c in pruned]
     small = [c for c in listed if c["kwargs"]["BLOCK_M"] * c["kwargs"]["BLOCK_N"] <= SMALL_TILE]
     return listed + [{**c, "num_warps": 8} for c in small] + [{**c, "num_stages": 3} for c in small]
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--res", type=int, default=224)
-    ap.add_argument("--dtype", default="bf16", choices=("fp32", "tf32", "bf16"))
+    ap.add_argument("--dtype", default="bf16", choices=("fp32", "tf32", "bf16", "fp8"))
     ap.add_argument("--rounds", type=int, default=7, help="alternations of the final comparison")
     ap.add_argument("--replays", type=int, default=400, help="graph replays per timing")
     ap.add_argument("--out", type=Path, required=True, help="the winners and the comparison, as a tuning table")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     chain = Chain(args.model, args.batch, args.res, args.dtype)
     shipped_graph = chain.graph(chain.shipped)
     convs = sorted({k for k in chain.keys if k})
-    options = {k: candidates(k, chain.x) for k in convs}
+    options = {k: candidates(k) for k in convs}
     scores: dict[str, dict[str, list[float]]] = {k: {} for k in convs}
     for i in range(max(len(c) for c in options.values())):
         table = {**chain.shipped, **{k: c[i % len(c)] for k, c in options.items()}}
