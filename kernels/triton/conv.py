@@ -247,12 +247,14 @@ def conv2d_nhwc_kernel(
     # No kernel writes the weights: fetch the slice into L2 while the kernel before still runs, each line once,
     # shared among the programs of the slice's column of tiles (program pid_m takes every num_m-th K tile): one
     # program alone would start its own tile that much later.
-    if GDC and SPLIT_K == 1:
-        _prefetch_weights(w_ptr, 0, K, K, COUT, pid_n * BLOCK_N, pid_m, num_m, BLOCK_K, BLOCK_N, W_KMAJOR)
-    elif GDC and last > first:
-        k_hi = tl.minimum(_first_weight_row(last - 1, k_steps, main_steps, ROW, KH, BLOCK_K) + BLOCK_K, K)
-        _prefetch_weights(w_ptr, _first_weight_row(first, k_steps, main_steps, ROW, KH, BLOCK_K), k_hi, K, COUT,
-                          pid_n * BLOCK_N, pid_m, num_m, BLOCK_K, BLOCK_N, W_KMAJOR)
+    # (A slice past the last step, last <= first, has k_lo >= K: nothing to fetch.)
+    if GDC:
+        if SPLIT_K == 1:  # every weight row
+            k_lo, k_hi = 0, K
+        else:
+            k_lo = _first_weight_row(first, k_steps, main_steps, ROW, KH, BLOCK_K)
+            k_hi = tl.minimum(_first_weight_row(last - 1, k_steps, main_steps, ROW, KH, BLOCK_K) + BLOCK_K, K)
+        _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, pid_n * BLOCK_N, pid_m, num_m, BLOCK_K, BLOCK_N, W_KMAJOR)
     # A small tile (batch 1's: latency-bound) loads its epilogue's operands early, so their latency is not added
     # after the last K step: the per-channel ones, which no kernel writes, even before the wait (off the chain of
     # kernels), the residual before the K loop. A large tile would hold them in registers through the loop.
