@@ -41,17 +41,24 @@ def measured_peak(output: str) -> None:
     from triton.testing import do_bench  # Triton: only on the GPU
 
     rates = {}
-    for name, n in (("bf16", 8192), ("fp16", 8192), ("tf32", 8192), ("fp32", 4096)):
+    for name, n in (("bf16", 8192), ("fp16", 8192), ("tf32", 8192), ("fp32", 4096), ("fp8", 8192)):
+        if name == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+            continue  # e4m3 tensor cores: Ada and Hopper on
         set_math_mode(name)
         a = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
         b = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
-        ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+        one = torch.ones((), device="cuda")
+        if name == "fp8":  # per-tensor scales, as the fp8 cell's kernels; the second operand column-major
+            a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        ms = do_bench((lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) if name == "fp8" else
+                      (lambda: a @ b), warmup=100, rep=500, return_mode="median")
         rates[name] = 2 * n**3 / ms / 1e9
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     write_text_atomic(Path(output), json.dumps({
-        "tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; fp32 4096), random data",
+        "tflops": rates, "what": "median of cuBLAS n x n matmul (n=8192; fp32 4096; fp8: e4m3 through "
+        "torch._scaled_mm, bf16 out), random data",
         "copy_gbs": 2 * src.numel() / copy_ms / 1e6, "copy_what": "median of a 1 GiB device-to-device copy: bytes "
         "read + written per second"}))
 

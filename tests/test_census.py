@@ -10,6 +10,7 @@ import pytest
 from core.flops import flops_per_group
 from core.layers import convolutions, distinct_layers, group_of
 from harness import census
+from harness.layers_report import layer_display, layer_rows
 from tests.conftest import FAST, REPO
 from tests.test_reports import ENV80
 
@@ -261,3 +262,20 @@ def test_a_layers_floor_counts_only_the_input_it_reads():
     layers = {layer.path: layer for layer in distinct_layers("resnet50", 224)}
     assert layers["layer2.0.downsample.0"].bytes(1, 2) == 2 * (256 * 28 * 28 + 512 * 256 + 512 * 28 * 28)
     assert layers["layer2.0.conv2"].bytes(1, 2) == 2 * (128 * 56 * 56 + 128 * 128 * 9 + 128 * 28 * 28)
+
+
+def test_a_floor_is_claimed_only_for_engines_it_bounds():
+    """The floor counts a direct convolution's FLOPs: cuDNN's fp32 Winograd engine ran a 3x3 at 142% of it on the
+    H100, so a Winograd or FFT engine's row names its algorithm instead of a share. fp8's bytes are e4m3's."""
+    layers = distinct_layers("resnet50", 224)
+    three = next(layer for layer in layers if layer.path == "layer2.1.conv2")
+    peaks = {"tflops": {"fp32": 50.0, "fp8": 1000.0}, "copy_gbs": 3000.0}
+    per_rung = {"cudnn": {three.path: {"median_ms": 0.8, "row": {"algorithm": "winograd"}}},
+                "triton": {three.path: {"median_ms": 1.35, "row": {}, "parity": {"ok": True}}}}
+    [row] = [r for r in layer_rows(layers, per_rung, peaks, 256, "fp32") if r["layer"] == three.path]
+    assert row["rungs"]["cudnn"]["share_of_floor"] is None and row["fastest"] == "cudnn"
+    assert row["rungs"]["triton"]["share_of_floor"] == pytest.approx(three.flops(256) / 50e9 / 1.35)
+    [shown] = [d for d in layer_display([row], ["cudnn", "triton"])]
+    assert shown["cudnn"] == "0.8 (winograd)*" and shown["triton"] == "1.35 (88%)"
+    [fp8] = [r for r in layer_rows(layers, {}, peaks, 256, "fp8") if r["layer"] == three.path]
+    assert fp8["bytes"] == three.bytes(256, 1)

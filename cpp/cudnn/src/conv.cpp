@@ -245,6 +245,16 @@ EngineInfo engine_info(const Desc& cfg) {
   return info;
 }
 
+// What the plan's stats say of its engine.
+void describe(ConvPlan& plan, const EngineInfo& e) {
+  plan.engine = e.index;
+  plan.tensor_core = e.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
+  plan.runtime_compiled = e.has(CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION);
+  const bool winograd = e.has(CUDNN_NUMERICAL_NOTE_WINOGRAD) || e.has(CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4) ||
+                        e.has(CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6) || e.has(CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13);
+  plan.algorithm = winograd ? "winograd" : e.has(CUDNN_NUMERICAL_NOTE_FFT) ? "fft" : "direct";
+}
+
 // The dtype contract, as PyTorch applies it to cuDNN engines: never inputs down-converted or reductions in reduced
 // precision (accumulation stays fp32), and no tensor cores (TF32) for strict fp32.
 bool allowed(const EngineInfo& e, const Precision& p) {
@@ -372,9 +382,7 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       best->heur_mode = mode_i;
       best->heur_index = int(pos);
       best->workspace = need;
-      best->engine = info.index;
-      best->tensor_core = info.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
-      best->runtime_compiled = info.has(CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION);
+      describe(*best, info);
     }
   }
   if (!best->plan)
@@ -442,9 +450,7 @@ std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec&
   Desc pack = variant_pack(spec, choice.fused, io, ws.ensure(size_t(need)));
   if (cudnnBackendExecute(handle, out->plan->get(), pack.get()) != CUDNN_STATUS_SUCCESS) return nullptr;
   out->workspace = need;
-  out->engine = info.index;
-  out->tensor_core = info.has(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
-  out->runtime_compiled = info.has(CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION);
+  describe(*out, info);
   out->heur_mode = choice.heur_mode;
   out->heur_index = choice.heur_index;
   out->tuned_ms = -1;
@@ -519,6 +525,7 @@ ladder::Json ConvPlan::stats() const {
   j["engine"] = static_cast<long long>(engine);
   j["tensor_core"] = tensor_core;
   j["runtime_compiled"] = runtime_compiled;
+  j["algorithm"] = algorithm;
   j["workspace_bytes"] = static_cast<long long>(workspace);
   j["candidates_timed"] = tried;
   j["choice"] = tried ? "tuned" : "engine table";

@@ -76,6 +76,9 @@ struct ConvPlan {
   std::string unfused_reason;  // why not, when not: no fusing engine, or slower
   int64_t engine = -1;         // global engine index
   bool tensor_core = false, runtime_compiled = false;
+  // From the engine's numerical notes: "winograd" or "fft" multiply less than a direct convolution does, so a
+  // roofline counting the direct convolution's FLOPs does not bound them; "direct" otherwise (implicit GEMM)
+  std::string algorithm = "direct";
   int64_t workspace = 0;
   int tried = 0;               // candidates timed (0: the choice came from an engine table)
   int heur_mode = 0, heur_index = -1;  // where the choice sits: heuristic list (0 mode A, 1 fallback, 2 mode B), position in it
