@@ -50,7 +50,7 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
                 missing.append(f"{name}: its per-layer microbenchmark times GPU kernels")
             else:
                 with console.status(f"{name}: its per-layer microbenchmark"):
-                    per_rung[name] = hand_written_rows(name, tier.micro(batch, res, dtype, channels_last), layers)
+                    per_rung[name] = hand_written_rows(name, tier.micro(batch, res, dtype, channels_last, baselines=False), layers)
         elif not isinstance(tier, PythonTier):
             missing.append(f"{name}: a program of the whole network; it builds no sub-network")
         else:

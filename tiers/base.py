@@ -76,9 +76,12 @@ class Tier:
         """The cell's value of option `key`: as given, else its default in that cell."""
         return cell.option(key, self.option_default(key, cell))
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict[str, Any]]:
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
+              baselines: bool = True) -> list[dict[str, Any]]:
         """Per-layer microbenchmark on the GPU: one row per layer or distinct convolution (has_micro says whether
-        the rung has one); with task 'train', one row per step of the training schedule (a rung that trains)."""
+        the rung has one); with task 'train', one row per step of the training schedule (a rung that trains).
+        `baselines`: also time each layer on what the rung's own table compares it with, where it has such
+        columns (`micro --layers` runs those as rungs of their own and passes False)."""
         raise NotImplementedError(f"{self.name} has no microbenchmark")
 
 

@@ -196,11 +196,13 @@ class CudnnTier(ExternalTier):
     def command(self, cell: Cell) -> list[str]:
         return [str(self.binary())]
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
+              baselines: bool = True) -> list[dict]:
         """infer: each distinct convolution of ResNet-50 (shape and fused epilogue) timed alone with the engine the
         rung chose: shape, engine, median ms over MICRO_REPS, TFLOP/s, and how many layers share it. train: each step
         of the training schedule alone (every convolution's forward, dgrad and wgrad; BatchNorm forward and
-        backward; pooling, classifier, loss, SGD), with its engine and whether it is fused."""
+        backward; pooling, classifier, loss, SGD), with its engine and whether it is fused. No baselines: its rows
+        are its own engines only."""
         with tempfile.TemporaryDirectory() as tmp:
             weights, inputs = Path(tmp) / "weights.safetensors", Path(tmp) / "input.safetensors"
             model = build_model("resnet50")

@@ -140,7 +140,8 @@ class TritonTier(PythonTier):
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))
 
-    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer") -> list[dict]:
+    def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
+              baselines: bool = True) -> list[dict]:
         """Every distinct ResNet-50 layer at this batch/res (core.layers.distinct_layers) with its own epilogue
         (ReLU; the residual added first for a block's last convolution; nothing after a downsample): our Triton
         kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through F.conv2d (convolution + bias only: its
@@ -148,7 +149,8 @@ class TritonTier(PythonTier):
         median of triton.testing.do_bench; our kernel's output checked against the layer in fp32 (TF32 off) with
         the dtype's tolerance (LayerCase). In fp8 our kernel is the e4m3 one the fp8 cell runs (the stem stays
         bf16, as there); cuDNN and Inductor, which have no fp8 convolution here, run bf16, and so does
-        `triton_bf16`, our bf16 kernel of the same layer: what e4m3 gains or loses on each layer."""
+        `triton_bf16`, our bf16 kernel of the same layer: what e4m3 gains or loses on each layer. Without
+        `baselines`, our kernel alone."""
         from triton.testing import do_bench  # Triton: only where it runs
 
         from kernels.triton.conv import conv2d  # Triton: only where it runs
@@ -156,16 +158,17 @@ class TritonTier(PythonTier):
         rows = []
         for layer in distinct_layers("resnet50", res):
             case = LayerCase(layer, batch, dtype, channels_last, "cuda")
-            torch._dynamo.reset()  # a fresh compile per layer (no recompile limit, no dynamic shapes)
-            inductor = torch.compile(case.whole)
             flop = layer.flops(batch)
             row = {"layer": layer.path, "shape": layer.shape, "count": layer.count, "batch": batch, "dtype": dtype,
                    "layout": layout_name(channels_last), "gflop": round(flop / 1e9, 3), "kernel": case.kernel,
                    "parity": case.parity}
-            timed = [("triton", case.ours),
-                     ("cudnn", lambda: F.conv2d(case.x, case.weight, case.bias, layer.stride, layer.pad)),
-                     ("inductor", lambda: inductor(case.x, case.weight, case.bias, case.residual))]
-            if dtype == "fp8":
+            timed = [("triton", case.ours)]
+            if baselines:
+                torch._dynamo.reset()  # a fresh compile per layer (no recompile limit, no dynamic shapes)
+                inductor = torch.compile(case.whole)
+                timed += [("cudnn", lambda: F.conv2d(case.x, case.weight, case.bias, layer.stride, layer.pad)),
+                          ("inductor", lambda: inductor(case.x, case.weight, case.bias, case.residual))]
+            if baselines and dtype == "fp8":
                 timed.append(("triton_bf16", lambda: conv2d(case.nhwc, case.packed_bf16, residual=case.residual_nhwc,
                                                             relu=case.relu)))
             for name, fn in timed:
