@@ -50,7 +50,8 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
                 missing.append(f"{name}: its per-layer microbenchmark times GPU kernels")
             else:
                 with console.status(f"{name}: its per-layer microbenchmark"):
-                    per_rung[name] = hand_written_rows(name, tier.micro(batch, res, dtype, channels_last, baselines=False), layers)
+                    own = tier.micro(batch, res, dtype, channels_last, baselines=False)  # its kernels alone
+                    per_rung[name] = hand_written_rows(name, own, layers)
         elif not isinstance(tier, PythonTier):
             missing.append(f"{name}: a program of the whole network; it builds no sub-network")
         else:
@@ -80,11 +81,12 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
             "Each distinct convolution of the network with its BatchNorm and epilogue (relu; add+relu adds the "
             "block's shortcut, read from memory; none: the downsample), run alone. Each rung's column: median ms "
             "per call and, in brackets, the share of the layer's roofline floor it reaches (the larger of its FLOPs "
-            "at the measured matmul rate and its bytes at the measured copy bandwidth; e4m3 bytes for fp8), or the engine's "
-            "algorithm where it multiplies less than the direct convolution the floor counts (winograd, fft). FAIL: parity against eager "
-            "fp32 failed. A hand-written rung's time comes from its own per-layer microbenchmark (triton: its "
-            "convolution with bias and ReLU, checked there against F.conv2d); *: one that does not check parity "
-            "there (cudnn; its whole network's is checked in the ladder).", 100), "",
+            "at the measured matmul rate and its bytes at the measured copy bandwidth; e4m3 bytes for fp8), or the "
+            "engine's algorithm where it multiplies less than the direct convolution the floor counts (winograd, "
+            "fft). FAIL: parity against eager fp32 failed. A hand-written rung's time comes from its own per-layer "
+            "microbenchmark (triton: its kernel with the layer's epilogue, checked there against the layer in "
+            "fp32); *: one that does not check parity there (cudnn; its whole network's is checked in the "
+            "ladder).", 100), "",
         *side_by_side_markdown(display, "layer"), *(f"- {line}" for line in missing), ""]))
     console.print(f"JSON: {json_path}  markdown: {md_path}", markup=False)
     return 1 if any(not (r.get("parity") or {}).get("ok", True) for d in per_rung.values() for r in d.values()) else 0

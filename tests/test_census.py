@@ -265,8 +265,8 @@ def test_a_layers_floor_counts_only_the_input_it_reads():
 
 
 def test_a_floor_is_claimed_only_for_engines_it_bounds():
-    """The floor counts a direct convolution's FLOPs: cuDNN's fp32 Winograd engine ran a 3x3 at 142% of it on the
-    H100, so a Winograd or FFT engine's row names its algorithm instead of a share. fp8's bytes are e4m3's."""
+    """The floor counts a direct convolution's FLOPs: cuDNN's fp32 FFT engines ran two 3x3s at 142% and 167% of it on
+    the H100, so a Winograd or FFT engine's row names its algorithm instead of a share. fp8's bytes are e4m3's."""
     layers = distinct_layers("resnet50", 224)
     three = next(layer for layer in layers if layer.path == "layer2.1.conv2")
     peaks = {"tflops": {"fp32": 50.0, "fp8": 1000.0}, "copy_gbs": 3000.0}
