@@ -217,3 +217,17 @@ def test_the_markdown_key_matches_the_device_and_a_merged_report_has_no_single_s
     text = report.markdown(doc)
     assert "from a run started" not in text and "run 0 (started 2026-11-25T08:00:00+00:00" in text
     assert "CUDA events" not in text
+
+
+def test_chain_tune_writes_only_a_gain_beyond_noise():
+    """bench/chain_tune.py's rounds as the H100 measured them (per graph replay, us, alternating): fp8 at batch 256
+    is 7% faster and is written; tf32 at batch 256 is 0.3% faster by its medians with its rounds overlapping, and
+    is not (`compare`'s rule: more than the threshold, the bootstrap interval excluding no change)."""
+    from bench.chain_tune import faster_beyond_noise
+
+    fp8 = ([7457, 7511, 7516, 7508, 7500, 7511, 7506], [6926, 6913, 6907, 6984, 6967, 6976, 6965])
+    tf32 = ([14529, 15061, 15158, 14998, 14776, 14836, 14932], [14958, 14581, 14611, 14886, 15002, 14911, 14771])
+    assert faster_beyond_noise(*fp8, 0.01)[0]
+    assert not faster_beyond_noise(*tf32, 0.01)[0]
+    assert not faster_beyond_noise(*fp8, 0.10)[0]  # 7% is not the 10% asked for
+    assert not faster_beyond_noise(fp8[1], fp8[0], 0.01)[0]  # slower
