@@ -32,6 +32,7 @@ from core.env import device_slug  # noqa: E402
 from core.files import write_text_atomic  # noqa: E402
 from core.model import build_model  # noqa: E402
 from core.placement import place_model, torch_dtype  # noqa: E402
+from harness import census  # noqa: E402
 from harness.compare import ratio_ci, verdict  # noqa: E402
 from harness.context import shipped_tunings  # noqa: E402
 from kernels.triton import tuning  # noqa: E402
@@ -120,7 +121,7 @@ def owned_us(g: torch.cuda.CUDAGraph, launches: int) -> list[float]:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+        events = [e for e in census.load(f.name) if e.get("cat") == "kernel"]
     last = sorted(events, key=lambda e: e["ts"])[-launches:]
     ends = [e["ts"] + e["dur"] for e in last]
     return [last[0]["dur"]] + [b - a for a, b in zip(ends, ends[1:])]

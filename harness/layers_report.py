@@ -122,6 +122,14 @@ def element_bytes(dtype: str) -> int:
     return 1 if dtype == "fp8" else torch_dtype(dtype).itemsize
 
 
+def multiplies_less(result: dict) -> str | None:
+    """The algorithm of a rung's layer, where it multiplies less than the direct convolution a floor counts
+    (a cuDNN Winograd or FFT engine, by its numerical notes): that floor does not bound it (cuDNN's fp32 FFT 3x3s
+    ran at 142-167% of it), so no share of it is claimed."""
+    algorithm = (result.get("row") or {}).get("algorithm")
+    return algorithm if algorithm in ("winograd", "fft") else None
+
+
 def layer_rows(layers: tuple[Layer, ...], per_rung: dict[str, dict[str, dict]], peaks: dict, batch: int,
                dtype: str) -> list[dict]:
     """A row per layer: its shape, count, FLOPs and bytes, its roofline floor, each rung's result."""
@@ -141,11 +149,9 @@ def layer_rows(layers: tuple[Layer, ...], per_rung: dict[str, dict[str, dict]], 
             if r is None:
                 continue
             ms = r.get("median_ms")
-            # The floor counts a direct convolution's FLOPs; a Winograd or FFT engine multiplies less, so it does not
-            # bound one (cuDNN's fp32 3x3s run above it) and no share of it is claimed.
-            fast_algorithm = (r.get("row") or {}).get("algorithm") in ("winograd", "fft")
             row["rungs"][name] = {**r, "tflops": flops / (ms * 1e9) if ms else None,
-                                  "share_of_floor": floor["ms"] / ms if floor and ms and not fast_algorithm else None}
+                                  "share_of_floor": floor["ms"] / ms if floor and ms and not multiplies_less(r) else
+                                  None}
         timed = sorted(((v["median_ms"], k) for k, v in row["rungs"].items()
                         if v.get("median_ms") and (v.get("parity") or {}).get("ok", True)))
         if len(timed) > 1:
@@ -160,10 +166,9 @@ def layer_display(rows: list[dict], rungs: list[str]) -> list[dict[str, str]]:
             return ""
         if r.get("error") or not r.get("median_ms"):
             return "error"
-        algorithm = (r.get("row") or {}).get("algorithm")
-        share = f" ({r['share_of_floor']:.0%})" if r.get("share_of_floor") else f" ({algorithm})" if algorithm in (
-            "winograd", "fft") else ""
-        text = f"{r['median_ms']:.3g}" + share
+        share = r.get("share_of_floor")
+        label = f"{share:.0%}" if share else multiplies_less(r)
+        text = f"{r['median_ms']:.3g}" + (f" ({label})" if label else "")
         if "parity" not in r:
             return text + "*"
         return text if r["parity"]["ok"] else f"FAIL {text}"

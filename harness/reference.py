@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,11 +48,13 @@ def measured_peak(output: str) -> None:
         set_math_mode(name)
         a = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
         b = torch.randn(n, n, device="cuda", dtype=torch_dtype(name))
-        one = torch.ones((), device="cuda")
         if name == "fp8":  # per-tensor scales, as the fp8 cell's kernels; the second operand column-major
-            a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-        ms = do_bench((lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) if name == "fp8" else
-                      (lambda: a @ b), warmup=100, rep=500, return_mode="median")
+            one = torch.ones((), device="cuda")
+            product = partial(torch._scaled_mm, a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), one, one,
+                              out_dtype=torch.bfloat16)
+        else:
+            product = partial(torch.matmul, a, b)
+        ms = do_bench(product, warmup=100, rep=500, return_mode="median")
         rates[name] = 2 * n**3 / ms / 1e9
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

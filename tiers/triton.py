@@ -168,9 +168,9 @@ class TritonTier(PythonTier):
                 inductor = torch.compile(case.whole)
                 timed += [("cudnn", lambda: F.conv2d(case.x, case.weight, case.bias, layer.stride, layer.pad)),
                           ("inductor", lambda: inductor(case.x, case.weight, case.bias, case.residual))]
-            if baselines and dtype == "fp8":
-                timed.append(("triton_bf16", lambda: conv2d(case.nhwc, case.packed_bf16, residual=case.residual_nhwc,
-                                                            relu=case.relu)))
+                if dtype == "fp8":
+                    timed.append(("triton_bf16", lambda: conv2d(case.nhwc, case.packed_bf16,
+                                                                residual=case.residual_nhwc, relu=case.relu)))
             for name, fn in timed:
                 fn()  # autotune / compile outside the timing
                 ms = do_bench(fn, return_mode="median")
