@@ -4,7 +4,8 @@ The autotuner times each convolution alone (kernels/triton/tuning.py). At batch 
 differently from the chain of 53 dependent launches they run in: a kernel alone starts cold and nothing overlaps
 it (docs/notes/handwritten-toward-the-limit.md). Here every candidate is timed where it runs:
 1. Variant i replays the network with candidate i of every convolution's key (the autotuner's list for that shape,
-   plus each small tile with 8 warps and with 3 stages), captured in a CUDA graph and profiled (CUPTI).
+   plus each small tile with 8 warps and with 3 stages), captured in a CUDA graph and profiled (CUPTI). Keys that
+   another dtype's cell shares (fp8's bf16 stem and classifier) keep their table entries (`own_keys`).
 2. Each kernel's own time in the chain (its end minus the end of the kernel before it) scores its key's candidate.
 3. The best candidate of every key, together, is timed against the table as it stands: graph replays back to
    back, alternating the two, `--rounds` times. Only a whole faster by more than `--threshold`, with its bootstrap
@@ -52,6 +53,13 @@ def candidates(key: str) -> list[dict]:
     listed = [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages} for c in pruned]
     small = [c for c in listed if c["kwargs"]["BLOCK_M"] * c["kwargs"]["BLOCK_N"] <= SMALL_TILE]
     return listed + [{**c, "num_warps": 8} for c in small] + [{**c, "num_stages": 3} for c in small]
+
+
+def own_keys(keys: list[str], dtype: str) -> list[str]:
+    """The keys only this dtype's cell runs, by their weights' type (a key's second tensor): in fp8 the e4m3
+    convolutions. fp8's stem and classifier run bf16 on the bf16 cell's keys, which that cell's tuning chooses."""
+    weights = "float8_e4m3fn" if dtype == "fp8" else str(torch_dtype(dtype)).removeprefix("torch.")
+    return [k for k in keys if k.split("|")[2].split(",")[1] == weights]
 
 
 def same_launch(entry: dict, other: dict | None) -> bool:
@@ -167,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
 
     chain = Chain(args.model, args.batch, args.res, args.dtype)
     shipped_graph = chain.graph(chain.shipped)
-    convs = sorted({k for k in chain.keys if k})
+    convs = own_keys(sorted({k for k in chain.keys if k}), args.dtype)
     options = {k: candidates(k) for k in convs}
     scores: dict[str, dict[str, list[float]]] = {k: {} for k in convs}
     for i in range(max(len(c) for c in options.values())):
         table = {**chain.shipped, **{k: c[i % len(c)] for k, c in options.items()}}
         own = owned_us(chain.graph(table), len(chain.keys))
         for key, us in zip(chain.keys, own):
-            if key:
+            if key in scores:
                 scores[key].setdefault(json.dumps(table[key], sort_keys=True), []).append(us)
         print(f"variant {i + 1}: {sum(own):.1f} us of kernels", flush=True)
     best = {k: json.loads(min(s, key=lambda c: statistics.median(s[c]))) for k, s in scores.items()}

@@ -231,3 +231,16 @@ def test_chain_tune_writes_only_a_gain_beyond_noise():
     assert not faster_beyond_noise(*tf32, 0.01)[0]
     assert not faster_beyond_noise(*fp8, 0.10)[0]  # 7% is not the 10% asked for
     assert not faster_beyond_noise(fp8[1], fp8[0], 0.01)[0]  # slower
+
+
+def test_chain_tune_leaves_the_keys_another_dtype_shares():
+    """fp8's stem and classifier run bf16 on the very keys of the bf16 cell: tuning fp8's chain must not choose
+    for them (keys as the H100 table holds them: kernel|shape|tensor dtypes, the weights second)."""
+    from bench.chain_tune import own_keys
+
+    shape = "conv2d_nhwc_kernel|49,7,7,512,2048,1,1,1,tf32,0,0|"
+    e4m3 = shape + "float8_e4m3fn,float8_e4m3fn,float32,bfloat16,bfloat16,float32,float32,int32"
+    e4m3_from_bf16 = shape + "bfloat16,float8_e4m3fn,float32,float8_e4m3fn,float8_e4m3fn,float32,float32,int32"
+    bf16 = shape + "bfloat16,bfloat16,float32,bfloat16,bfloat16,float32,float32,int32"
+    assert own_keys([e4m3, e4m3_from_bf16, bf16], "fp8") == [e4m3, e4m3_from_bf16]
+    assert own_keys([e4m3, e4m3_from_bf16, bf16], "bf16") == [bf16]
