@@ -37,19 +37,24 @@ from harness import census  # noqa: E402
 from harness.compare import ratio_ci, verdict  # noqa: E402
 from harness.context import shipped_tunings  # noqa: E402
 from kernels.triton import tuning  # noqa: E402
-from kernels.triton.conv import CONFIGS, _prune  # noqa: E402
+from kernels.triton import conv, pair  # noqa: E402
 from tiers.triton import TIER, triton_version  # noqa: E402
 
 SMALL_TILE = 64 * 64  # tiles of at most this many outputs also run as 8-warp and 3-stage candidates
 
 
 def candidates(key: str) -> list[dict]:
-    """The autotuner's configurations for a convolution key (kernel|M,H,W,CIN,COUT,KH,KW,...|x's dtype,...), as
-    table entries, plus each small tile with 8 warps and with 3 stages."""
-    _, sizes, dtypes = key.split("|")
+    """The autotuner's configurations for a convolution key (kernel|M,H,W,CIN,COUT,...|x's dtype,...), as table
+    entries; for conv2d_nhwc_kernel also each small tile with 8 warps and with 3 stages."""
+    kernel, sizes, dtypes = key.split("|")
+    x = torch.empty(0, dtype=getattr(torch, dtypes.split(",")[0]))  # the pruners read its element size
+    if kernel == pair.conv_pair_kernel.fn.__name__:  # M, H, W, CIN, COUT, COUT2, ...
+        m, _, _, _, cout, cout2 = (int(v) for v in sizes.split(",")[:6])
+        return [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
+                for c in pair._prune(pair.CONFIGS, dict(x_ptr=x, M=m, COUT=cout, COUT2=cout2))]
     m, _, _, cin, cout, kh, kw = (int(v) for v in sizes.split(",")[:7])
-    x = torch.empty(0, dtype=getattr(torch, dtypes.split(",")[0]))  # _prune reads its element size
-    pruned = _prune(CONFIGS, dict(x_ptr=x, KW=kw, CIN=cin, M=m, COUT=cout, KH=kh, SC_CIN=int(sizes.split(",")[9])))
+    pruned = conv._prune(conv.CONFIGS, dict(x_ptr=x, KW=kw, CIN=cin, M=m, COUT=cout, KH=kh,
+                                            SC_CIN=int(sizes.split(",")[9])))
     listed = [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages} for c in pruned]
     small = [c for c in listed if c["kwargs"]["BLOCK_M"] * c["kwargs"]["BLOCK_N"] <= SMALL_TILE]
     return listed + [{**c, "num_warps": 8} for c in small] + [{**c, "num_stages": 3} for c in small]
@@ -70,10 +75,12 @@ def same_launch(entry: dict, other: dict | None) -> bool:
 
 
 class Chain:
-    """The rung's network on one input, re-recorded under any tuning table and replayed in a CUDA graph."""
+    """The rung's network on one input, re-recorded under any tuning table and replayed in a CUDA graph; `options`:
+    the rung's options, as a cell holds them."""
 
-    def __init__(self, model: str, batch: int, res: int, dtype: str) -> None:
-        cell = Cell(tier="triton", model=model, batch=batch, res=res, dtype=dtype, device="cuda", channels_last=True)
+    def __init__(self, model: str, batch: int, res: int, dtype: str, options: tuple = ()) -> None:
+        cell = Cell(tier="triton", model=model, batch=batch, res=res, dtype=dtype, device="cuda", channels_last=True,
+                    options=options)
         net = place_model(build_model(model).eval(), cell)
         self.x = torch.randn(batch, 3, res, res, device="cuda", dtype=torch_dtype(dtype)).contiguous(
             memory_format=torch.channels_last)
@@ -99,7 +106,7 @@ class Chain:
                 self.net(self.x)
         finally:
             tuning.table_key = original
-        return [k if k.startswith("conv2d") else None for k in seen]
+        return [k if k.startswith(("conv2d", "conv_pair")) else None for k in seen]
 
     def graph(self, table: dict) -> torch.cuda.CUDAGraph:
         """The forward recorded with `table`, captured; the graph keeps the plan (whose buffers it replays into)

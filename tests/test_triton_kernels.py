@@ -14,6 +14,7 @@ import torchvision  # noqa: E402
 
 from core.model import build_model  # noqa: E402
 from kernels.triton.conv import _fixed, _split_buffers, conv2d, fuse_shortcut, pack_conv  # noqa: E402
+from kernels.triton.pair import conv_pair, pays  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
 from core.cell import Cell, Store  # noqa: E402
@@ -174,6 +175,41 @@ def test_micro_checks_each_fp8_layer_as_the_fp8_cell_runs_it_and_a_wrong_scale_f
     assert not case.check()["ok"]
 
 
+# (batch, cin, the 3x3's channels (a power of two), the 1x1's channels, h, w): outputs of more than one pixel tile
+# (> 64), conv3's channels in more than one slice (> 128) or in a slice they do not fill
+PAIR_CASES = [(3, 24, 16, 72, 7, 9), (2, 20, 32, 160, 5, 4)]
+
+
+@pytest.mark.parametrize("n,cin,mid,cout,h,w", PAIR_CASES)
+def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w):
+    """conv_pair against F.conv2d's bottleneck tail (3x3 + ReLU, 1x1 + residual + ReLU), in both weight layouts;
+    in FP8 the same as the two kernels apart (conv2's output rounded to e4m3 in conv3's scale either way); a 1x1
+    that is strided is refused."""
+    torch.manual_seed(0)
+    x, w2, b2 = torch.randn(n, cin, h, w), torch.randn(mid, cin, 3, 3) / cin ** 0.5, torch.randn(mid)
+    w3, b3, res = torch.randn(cout, mid, 1, 1) / mid ** 0.5, torch.randn(cout), torch.randn(n, cout, h, w)
+    ref = F.relu(F.conv2d(F.relu(F.conv2d(x, w2, b2, 1, 1)), w3, b3) + res)
+    for kmajor in (False, True):
+        out = conv_pair(nhwc(x), pack_conv(w2, 1, 1, bias=b2, kmajor=kmajor), pack_conv(w3, bias=b3, kmajor=kmajor),
+                        residual=nhwc(res))
+        close(nchw(out), ref)
+    mid_amax = F.relu(F.conv2d(x, w2, b2, 1, 1)).abs().max().item()
+    conv2 = pack_conv(w2, 1, 1, bias=b2, input_amax=x.abs().max().item(), output_amax=mid_amax)
+    conv3 = pack_conv(w3, bias=b3, input_amax=mid_amax)
+    apart = conv2d(conv2d(nhwc(x), conv2), conv3, residual=nhwc(res))
+    close(conv_pair(nhwc(x), conv2, conv3, residual=nhwc(res)), apart, 1e-5)
+    close(nchw(apart), ref, 0.15)  # and e4m3's rounding, not a wrong index: the fp8 cell's tolerance
+    with pytest.raises(ValueError, match="1x1 stride-1"):
+        conv_pair(nhwc(x), pack_conv(w2, 1, 1, bias=b2), pack_conv(w3, 2, bias=b3), residual=nhwc(res))
+
+
+def test_the_pair_runs_by_default_in_16_and_8_bit_cells_where_every_sm_gets_a_tile():
+    conv2 = pack_conv(torch.randn(64, 64, 3, 3), 1, 1)
+    assert pays(torch.empty(32, 56, 56, 64, dtype=torch.bfloat16), conv2)  # batch 32's layer1
+    assert not pays(torch.empty(1, 56, 56, 64, dtype=torch.bfloat16), conv2)  # batch 1's: 49 tiles of 64 pixels
+    assert not pays(torch.empty(32, 56, 56, 64), conv2)  # fp32 / tf32: not measured
+
+
 def test_linear():
     torch.manual_seed(0)
     x, fc = torch.randn(3, 37), torch.nn.Linear(37, 29)
@@ -222,18 +258,24 @@ def test_bottleneck(downsample):
     close(nchw(run_block(nhwc(x), (convs, shortcut))), ref)
 
 
-@pytest.mark.parametrize("model,channels_last", [("resnet50", True), ("resnet18", False)])
-def test_tier_forward(model, channels_last):
+# resnet50 with its conv2 + conv3 pairs (pairs=on; by default the fp32 cells run them apart): ten blocks paired
+# (layer4's 512-channel 3x3s are not), each one launch shorter
+@pytest.mark.parametrize("model,channels_last,pairs", [("resnet50", True, "off"), ("resnet18", False, "auto"),
+                                                       ("resnet50", True, "on")])
+def test_tier_forward(model, channels_last, pairs):
     """The whole rung as the worker drives it, against eager, on a tiny image."""
     assert TIER.availability("cpu") is None
     net = build_model(model)
     x = torch.randn(1, 3, 32, 32)
     example = x.to(memory_format=torch.channels_last) if channels_last else x
     built = TIER.build(net, example, Cell(tier="triton", model=model, batch=1, res=32, device="cpu",
-                                          channels_last=channels_last), Store())
+                                          channels_last=channels_last, options=(("pairs", pairs),)), Store())
     with torch.no_grad():
         ref = net(x)
     out = built.forward(example)
     close(out, ref)
     assert out.argmax(1).equal(ref.argmax(1))
     assert built.stats["autotune"] == "interpreter"
+    # the stem's two launches, two pools, the classifier; each block's convolutions, the downsample fused in
+    blocks = {"resnet50": 16 * 3, "resnet18": 8 * 2}[model]
+    assert built.stats["launches_per_forward"] == 5 + blocks - (10 if pairs == "on" else 0)

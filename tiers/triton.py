@@ -67,7 +67,11 @@ class TritonTier(PythonTier):
     # build stats say whether it ran). The GPU's default outside strict fp32: on the H100, bf16 batch 1 under a
     # CUDA graph 0.31 -> 0.28 ms on three machines, batch 256 no slower; fp32 batch 32 7.68 -> 8.37 ms
     # (results/.../checks/fused-shortcut/, checks/early-epilogue/, checks/pdl-default/).
-    options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on")}
+    # pairs: a bottleneck's 3x3 convolution and the 1x1 after it as one kernel, its output kept on the chip
+    # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers with a tile for every SM), in every
+    # block without a downsample (on), or nowhere (off).
+    options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on"),
+               "pairs": ("auto", "on", "off")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
@@ -113,7 +117,7 @@ class TritonTier(PythonTier):
         # Programmatic dependent launch exists from Hopper (compute capability 9.0) on; before it, pdl=on runs off.
         pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
-                           planned=self.setting(cell, "launch") == "plan", pdl=pdl)
+                           planned=self.setting(cell, "launch") == "plan", pdl=pdl, pairs=self.setting(cell, "pairs"))
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -133,9 +137,10 @@ class TritonTier(PythonTier):
             "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
             "autotune_benchmarks": benchmarks,  # configs timed; 0 = nothing autotuned here
             "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
-            "launches_per_forward": net.launches,
+            "launches_per_forward": tuning.STATS["launches"] - before["launches"],  # in the warm forward
             "launch": "plan" if net.planned else "jit",  # Triton's launch path, or a recorded forward replayed
             "pdl": "on" if pdl else "off",  # programmatic dependent launches, as run
+            "pairs": self.setting(cell, "pairs"),  # as set; launches_per_forward counts the kernels that ran
             **({"fp8": FP8_RECIPE} if fp8 else {}),
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))

@@ -194,6 +194,76 @@ def _prefetch_weights(w_ptr, k_lo, k_hi, K, COUT, n0, part, parts, BLOCK_K: tl.c
             prefetch_l2(w_ptr + k[:, None] * COUT + n[None, :])
 
 
+@triton.jit
+def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last, H, W, CIN, OH, OW, COUT,
+                 SC_H, SC_W, SC_CIN, a_inv, KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr,
+                 PAD: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, W_KMAJOR: tl.constexpr,
+                 SC_STRIDE: tl.constexpr, K_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The fp32 tile conv(x) [offs_m, offs_n] over K steps [first, last): the window's (KH rows of KW*CIN elements,
+    each row in K tiles), then, with a fused downsample (SC_STRIDE > 0), the shortcut's SC_CIN channels."""
+    ROW = KW * CIN  # elements in one window row, contiguous in memory
+    k_steps = tl.cdiv(ROW, BLOCK_K)
+    main_steps = KH * k_steps
+    K = KH * ROW + SC_CIN
+    offs_k = tl.arange(0, BLOCK_K)
+    # Where each output pixel's window starts in x (and its pixel in the shortcut, the block's input). At batch 1 a
+    # kernel is a few thousand instructions per warp, issued with one warp per scheduler: integer divisions by
+    # runtime sizes cost there. A 1x1 stride-1 window (and a stride-1 shortcut) is the output pixel itself.
+    if KH == 1 and KW == 1 and STRIDE == 1 and PAD == 0 and SC_STRIDE <= 1:
+        window, shortcut = offs_m * CIN, offs_m * SC_CIN
+    else:
+        ow = offs_m % OW
+        oh = (offs_m // OW) % OH
+        img = offs_m // (OW * OH)
+        ih0, iw0 = oh * STRIDE - PAD, ow * STRIDE - PAD  # the window's start (< 0: in the padding)
+        window = ((img * H + ih0) * W + iw0) * CIN  # ... as an offset into x, at the window's first row
+        shortcut = ((img * SC_H + oh * SC_STRIDE) * SC_W + ow * SC_STRIDE) * SC_CIN
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One flat loop over every K step (window row kh, K tile in that row; then the shortcut's K tiles), so Triton
+    # software-pipelines all of it: the shortcut's first loads are in flight while the window's last tiles multiply.
+    # The step's window row kh and K tile kt in that row, advanced as counters (no division in the loop).
+    kh = first // k_steps if SPLIT_K > 1 else 0
+    kt = first - kh * k_steps
+    for step in range(first, last):
+        k0 = kt * BLOCK_K  # the K tile's first position inside the window row
+        src, rows, row_len, w_row = x_ptr, window + kh * W * CIN, ROW, kh * ROW
+        if SC_STRIDE > 0:  # a step past the window reads the shortcut's channels instead (scalar and 1-D selects)
+            in_shortcut = step >= main_steps
+            k0 = tl.where(in_shortcut, (step - main_steps) * BLOCK_K, k0)
+            src = tl.where(in_shortcut, res_ptr, x_ptr)
+            # (through a tl.where, Triton's alignment analysis would lose the rows' 16-element alignment, and with it
+            # the asynchronous copies of A)
+            rows += in_shortcut.to(tl.int32) * (shortcut - rows)
+            row_len = tl.where(in_shortcut, SC_CIN, ROW)
+            w_row = tl.where(in_shortcut, KH * ROW, w_row)
+        kk = k0 + offs_k  # positions inside the row
+        k = w_row + kk  # rows of the weights
+        # K tiles that divide the window rows and the shortcut's channels are never partial: no mask along K
+        k_ok = kk < row_len if K_ALIGN % BLOCK_K else tl.full((BLOCK_K,), True, tl.int1)
+        a_mask = m_ok[:, None] & k_ok[None, :]
+        if PAD > 0:  # the window may hang over the image border: those elements are the zero padding
+            ih = ih0 + kh
+            col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
+            inside = ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
+            if SC_STRIDE > 0:
+                inside = inside | in_shortcut
+            a_mask = a_mask & inside
+        a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+        if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
+            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
+        if W_KMAJOR:
+            b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
+        else:
+            b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
+        kt += 1
+        kh += (kt == k_steps).to(tl.int32)
+        kt = tl.where(kt == k_steps, 0, kt)
+    return acc
+
+
 # PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
 @autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN", "SC_STRIDE"],
           prune=_prune)
@@ -267,61 +337,9 @@ def conv2d_nhwc_kernel(
     if EARLY and HAS_RES:
         y_offs, y_mask = _output_tile(offs_m, offs_n, M, COUT)
         res = tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Where each output pixel's window starts in x (and its pixel in the shortcut, the block's input). At batch 1 a
-    # kernel is a few thousand instructions per warp, issued with one warp per scheduler: integer divisions by
-    # runtime sizes cost there. A 1x1 stride-1 window (and a stride-1 shortcut) is the output pixel itself.
-    if KH == 1 and KW == 1 and STRIDE == 1 and PAD == 0 and SC_STRIDE <= 1:
-        window, shortcut = offs_m * CIN, offs_m * SC_CIN
-    else:
-        ow = offs_m % OW
-        oh = (offs_m // OW) % OH
-        img = offs_m // (OW * OH)
-        ih0, iw0 = oh * STRIDE - PAD, ow * STRIDE - PAD  # the window's start (< 0: in the padding)
-        window = ((img * H + ih0) * W + iw0) * CIN  # ... as an offset into x, at the window's first row
-        shortcut = ((img * SC_H + oh * SC_STRIDE) * SC_W + ow * SC_STRIDE) * SC_CIN
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # One flat loop over every K step (window row kh, K tile in that row; then the shortcut's K tiles), so Triton
-    # software-pipelines all of it: the shortcut's first loads are in flight while the window's last tiles multiply.
-    # The step's window row kh and K tile kt in that row, advanced as counters (no division in the loop).
-    kh = first // k_steps if SPLIT_K > 1 else 0
-    kt = first - kh * k_steps
-    for step in range(first, last):
-        k0 = kt * BLOCK_K  # the K tile's first position inside the window row
-        src, rows, row_len, w_row = x_ptr, window + kh * W * CIN, ROW, kh * ROW
-        if SC_STRIDE > 0:  # a step past the window reads the shortcut's channels instead (scalar and 1-D selects)
-            in_shortcut = step >= main_steps
-            k0 = tl.where(in_shortcut, (step - main_steps) * BLOCK_K, k0)
-            src = tl.where(in_shortcut, res_ptr, x_ptr)
-            # (through a tl.where, Triton's alignment analysis would lose the rows' 16-element alignment, and with it
-            # the asynchronous copies of A)
-            rows += in_shortcut.to(tl.int32) * (shortcut - rows)
-            row_len = tl.where(in_shortcut, SC_CIN, ROW)
-            w_row = tl.where(in_shortcut, KH * ROW, w_row)
-        kk = k0 + offs_k  # positions inside the row
-        k = w_row + kk  # rows of the weights
-        # K tiles that divide the window rows and the shortcut's channels are never partial: no mask along K
-        k_ok = kk < row_len if K_ALIGN % BLOCK_K else tl.full((BLOCK_K,), True, tl.int1)
-        a_mask = m_ok[:, None] & k_ok[None, :]
-        if PAD > 0:  # the window may hang over the image border: those elements are the zero padding
-            ih = ih0 + kh
-            col = (iw0 * CIN)[:, None] + kk[None, :]  # offset inside the image row
-            inside = ((ih >= 0) & (ih < H))[:, None] & (col >= 0) & (col < W * CIN)
-            if SC_STRIDE > 0:
-                inside = inside | in_shortcut
-            a_mask = a_mask & inside
-        a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-        if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
-            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
-        if W_KMAJOR:
-            b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
-        else:
-            b_ptrs = w_ptr + k[:, None] * COUT + offs_n[None, :]
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fp32 accumulation
-        kt += 1
-        kh += (kt == k_steps).to(tl.int32)
-        kt = tl.where(kt == k_steps, 0, kt)
+    acc = _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last, H, W, CIN, OH, OW, COUT,
+                       SC_H, SC_W, SC_CIN, a_inv, KH, KW, STRIDE, PAD, PRECISION, FP8, W_KMAJOR, SC_STRIDE, K_ALIGN,
+                       BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
 
     LATE_RES: tl.constexpr = HAS_RES and not EARLY
     if not EARLY:

@@ -10,6 +10,7 @@ import torch
 
 from kernels.triton import plan
 from kernels.triton.conv import PackedConv, conv2d, fuse_shortcut, pack_conv
+from kernels.triton.pair import conv_pair, pairable, pays
 from kernels.triton.pool import global_avg_pool, max_pool2d
 
 
@@ -54,15 +55,21 @@ def input_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
     return amax
 
 
-def run_block(x: torch.Tensor, packed, conv=conv2d) -> torch.Tensor:
-    """relu(convs(x) + shortcut(x)) on NHWC `x`, every batch-norm, ReLU and the residual add fused into the convs."""
+def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None) -> torch.Tensor:
+    """relu(convs(x) + shortcut(x)) on NHWC `x`, every batch-norm, ReLU and the residual add fused into the convs;
+    with `pair` (conv_pair's signature), a bottleneck's conv2 and conv3 in one kernel."""
     convs, down = packed
     identity = x if down is None else conv(x, down, relu=False)
+    if pair is not None:
+        return pair(conv(x, convs[0]), convs[1], convs[2], residual=identity)
     for p in convs[:-1]:
         x = conv(x, p)
     if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
         return conv(x, convs[-1], shortcut=identity)
     return conv(x, convs[-1], residual=identity)
+
+
+PAIRS = ("auto", "on", "off")
 
 
 class TritonResNet:
@@ -71,11 +78,18 @@ class TritonResNet:
     `fp8_amax`: each convolution's calibrated input amax by module path (input_amax): the blocks' convolutions then
     run in e4m3, the activations between them stored in e4m3 and those at block boundaries in `dtype` (bf16); the
     stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
-    programmatic dependent launch (kernels/triton/pdl.py)."""
+    programmatic dependent launch (kernels/triton/pdl.py). `pairs`: a bottleneck's conv2 and conv3 as one kernel
+    (kernels/triton/pair.py) in every block that has no downsample ("on"), in those where it pays ("auto", `pays`),
+    or in none ("off")."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
-                 fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False):
+                 fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False,
+                 pairs: str = "auto"):
+        if pairs not in PAIRS:
+            raise ValueError(f"pairs must be one of {', '.join(PAIRS)}, not {pairs!r}")
         self.conv = partial(conv2d, precision=precision, tune=tune, pdl=pdl)
+        self.pair = partial(conv_pair, precision=precision, tune=tune, pdl=pdl)
+        self.pairs = pairs
         self.max_pool = partial(max_pool2d, tune=tune, pdl=pdl)
         self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl)
         kmajor = dtype == torch.float32 and precision == "tf32"
@@ -95,8 +109,6 @@ class TritonResNet:
             blocks, (b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer))]
         fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
         self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device, kmajor=kmajor)
-        # the stem's two launches (space-to-depth, convolution), the two pools, the classifier, the blocks'
-        self.launches = 5 + sum(len(convs) + (down is not None) for convs, down in self.blocks)
         # planned: each input shape's forward recorded once, then replayed (kernels/triton/plan.py)
         self.planned, self.plans, self.scoped = planned, {}, False
         # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.
@@ -122,9 +134,16 @@ class TritonResNet:
         """The network on NHWC `x`, each launch through Triton's own launch path."""
         x = self.max_pool(self.conv(x, self.stem))
         for packed in self.blocks:
-            x = run_block(x, packed, self.conv)
+            x = run_block(x, packed, self.conv, self.pair if self.paired(x, packed) else None)
         pooled = self.avg_pool(x)
         return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
+
+    def paired(self, x: torch.Tensor, packed) -> bool:
+        """Whether the block `packed` runs its conv2 and conv3 as one kernel on its input `x`."""
+        convs, down = packed
+        if self.pairs == "off" or down is not None or len(convs) != 3 or convs[-1].shortcut_stride:
+            return False
+        return pairable(convs[1], convs[2]) and (self.pairs == "on" or pays(x, convs[1]))
 
     @contextlib.contextmanager
     def layer_scopes(self, prefix: str) -> Iterator[None]:
@@ -136,13 +155,14 @@ class TritonResNet:
                     return fn(*args, **kwargs)
             return call
 
-        plain = self.conv, self.max_pool, self.avg_pool
+        plain = self.conv, self.pair, self.max_pool, self.avg_pool
         self.scoped = True
         self.conv = named(self.conv, lambda x, p, **_: self.paths[id(p)])
+        self.pair = named(self.pair, lambda x, p, tail, **_: f"{self.paths[id(p)]}+{self.paths[id(tail)]}")
         self.max_pool = named(self.max_pool, lambda x: "maxpool")
         self.avg_pool = named(self.avg_pool, lambda x: "avgpool")
         try:
             yield
         finally:
-            self.conv, self.max_pool, self.avg_pool = plain
+            self.conv, self.pair, self.max_pool, self.avg_pool = plain
             self.scoped = False

@@ -28,8 +28,8 @@ NO_AUTOTUNE = os.environ.get("LADDER_NO_AUTOTUNE") == "1"
 
 # Wall time spent benchmarking configurations (their JIT compilation included): the rung's autotuning overhead.
 # A build that adds nothing here was served entirely from a table or the disk cache. `table_hits`: launches whose
-# configuration came from a tuning table.
-STATS = {"seconds": 0.0, "benchmarks": 0, "table_hits": 0}
+# configuration came from a tuning table; `launches`: kernel launches through `launch`.
+STATS = {"seconds": 0.0, "benchmarks": 0, "table_hits": 0, "launches": 0}
 TABLE: dict[str, dict] = {}  # key -> configuration, from the tuning tables
 TUNED: dict[str, dict] = {}  # key -> configuration chosen by autotuning in this process
 
@@ -83,6 +83,7 @@ def launch(kernel, grid, args, tune: bool, fixed: dict, pdl: bool = False):
     compiled with its GDC flag (kernels/triton/pdl.py). While a forward is recorded (kernels/triton/plan.py), the
     launch is noted with the meta-parameters it ran (`chosen`)."""
     dependent = {"GDC": True, "launch_pdl": True} if pdl else {}
+    STATS["launches"] += 1
     config = None
     if tune:
         key = table_key(kernel, args)

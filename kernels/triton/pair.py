@@ -1,0 +1,146 @@
+"""A bottleneck's 3x3 convolution and the 1x1 convolution after it as one kernel: the 3x3's output stays on the chip.
+
+In a bottleneck block without a downsample, conv2 (3x3, C channels) feeds conv3 (1x1, C -> COUT2, plus the residual
+and ReLU). Apart, conv2 writes its [M, C] output and conv3 reads it back: at batch 256, 103 MB each way in every
+layer1 block. Here a program computes conv2's tile for all C channels at once (C at most 256: the whole row of
+channels is one tile) with conv2's own K loop (conv.py `_window_gemm`), applies its bias and ReLU, rounds it as
+conv2 would have stored it (the activations' type; in fp8, e4m3 in conv3's input scale), and multiplies it, still
+in registers, by conv3's weights, BLOCK_N2 output channels at a time, each slice with conv3's epilogue. Flash
+attention keeps its scores on the chip between its two products the same way.
+
+What it costs: conv2's tile can no longer be split along its channels, so a launch has M / BLOCK_M programs, and
+each runs both products in turn. Layers with too few pixels to fill the GPU that way (batch 1's, batch 32's layer3)
+run apart (`pays`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights,
+                                 _window_gemm)
+from kernels.triton.pdl import wait_for_prior_kernel
+from kernels.triton.tuning import INTERPRET, autotune, launch
+
+# The pair is the default (pair=auto) where conv2 has at least this many output pixels: a 64-pixel tile for each
+# of an H100's or H200's 132 SMs.
+PAIR_MIN_PIXELS = 132 * 64
+
+# 64- and 128-pixel tiles, conv3 in slices of 64 or 128 channels, 4 or 8 warps; 4 stages for the large tiles only
+# (each configuration is compiled and timed on a cold build: ten, not all 24 combinations)
+CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_K": 64, "BLOCK_N2": bn2}, num_stages=stages, num_warps=warps)
+           for bm in (64, 128) for bn2 in (64, 128) for warps in (4, 8)
+           for stages in ((3, 4) if bm == 128 and warps == 8 else (3,))]
+
+
+def _prune(configs, args, **_):
+    """Configurations whose fp32 tiles (conv2's BLOCK_M x C, conv3's BLOCK_M x BLOCK_N2) hold at most 64 values a
+    thread, and whose shared memory fits: conv2's pipeline and two of conv3's weight slices (ptxas agrees within
+    10% on the H100's tiles); K tiles halved for 4-byte types, as conv.py's."""
+    elem, c, m, cout2 = args["x_ptr"].element_size(), args["COUT"], args["M"], args["COUT2"]
+    kept = []
+    for cfg in configs:
+        bm, bk, bn2 = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_K", "BLOCK_N2"))
+        bk = bk // 2 if elem == 4 else bk
+        threads = 32 * cfg.num_warps
+        if (bm * c <= 64 * threads and bm * bn2 <= 64 * threads and bn2 <= cout2
+                and bm <= max(32, triton.next_power_of_2(m))
+                and (cfg.num_stages * (bm + c) * bk + 2 * c * bn2) * elem <= SMEM_BYTES):
+            kept.append(triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N2": bn2}, num_stages=cfg.num_stages,
+                                      num_warps=cfg.num_warps))
+    return kept or [triton.Config({"BLOCK_M": 32, "BLOCK_K": 16, "BLOCK_N2": 32}, num_stages=2, num_warps=4)]
+
+
+@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "COUT2", "KH", "KW", "STRIDE", "PRECISION"], prune=_prune)
+@triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW"])  # one compile for every layer's sizes
+def conv_pair_kernel(
+        x_ptr, w_ptr, bias_ptr,  # conv2: x [N, H, W, CIN]; w [K, COUT] or K-major [COUT, K]; bias [COUT] fp32
+        w2_ptr, bias2_ptr, res_ptr, y_ptr,  # conv3: w2 [COUT, COUT2] or K-major [COUT2, COUT]; res, y [M, COUT2]
+        M, H, W, CIN, OH, OW, COUT2,
+        scale_ptr, a_inv, mid_inv, scale2_ptr,  # FP8: conv2's scales ([COUT], 1 / x's), 1 / conv3's input scale,
+                                                # conv3's scales [COUT2] (conv.py's kernel has the same)
+        COUT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+        PRECISION: tl.constexpr, FP8: tl.constexpr, W_KMAJOR: tl.constexpr, K_ALIGN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr, GDC: tl.constexpr = False):
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow), the same for both convolutions
+    offs_c = tl.arange(0, COUT)  # every channel of conv2's output: conv3's K
+    m_ok, c_ok = offs_m < M, offs_c < COUT
+    steps = KH * tl.cdiv(KW * CIN, BLOCK_K)
+    if GDC:  # conv2's weights into L2 while the kernel before runs, shared among the programs (conv.py's kernel)
+        K = KH * KW * CIN
+        _prefetch_weights(w_ptr, 0, K, K, COUT, 0, pid, tl.num_programs(0), BLOCK_K, COUT, W_KMAJOR)
+    wait_for_prior_kernel(GDC)
+
+    acc = _window_gemm(x_ptr, w_ptr, x_ptr, offs_m, offs_c, m_ok, c_ok, 0, steps, H, W, CIN, OH, OW, COUT, 0, 0, 0,
+                       a_inv, KH, KW, STRIDE, PAD, PRECISION, FP8, W_KMAJOR, 0, K_ALIGN, BLOCK_M, COUT, BLOCK_K, 1)
+    bias, scale = _channel_operands(bias_ptr, scale_ptr, offs_c, c_ok, FP8)
+    if FP8:
+        acc = acc * scale[None, :]
+    mid = tl.maximum(acc + bias[None, :], 0.0)  # conv2's output, rounded as it would have been stored
+    if FP8:
+        mid = tl.clamp(mid * mid_inv, -448.0, 448.0).to(tl.float8e4nv)
+    else:
+        mid = mid.to(x_ptr.dtype.element_ty)
+
+    for n0 in range(0, COUT2, BLOCK_N2):  # conv3, BLOCK_N2 output channels at a time, each with its epilogue
+        offs_n = n0 + tl.arange(0, BLOCK_N2)
+        n_ok = offs_n < COUT2
+        if W_KMAJOR:
+            w2 = tl.load(w2_ptr + offs_n[None, :] * COUT + offs_c[:, None], mask=n_ok[None, :], other=0.0)
+        else:
+            w2 = tl.load(w2_ptr + offs_c[:, None] * COUT2 + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+        acc2 = tl.dot(mid, w2, input_precision=PRECISION)
+        bias2, scale2 = _channel_operands(bias2_ptr, scale2_ptr, offs_n, n_ok, FP8)
+        _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, True, True, FP8)
+
+
+def pairable(p: PackedConv, tail: PackedConv) -> bool:
+    """Whether one kernel runs `p` and then `tail` on its output: `tail` a 1x1 stride-1 convolution (no downsample
+    fused in), `p` a plain convolution whose channels fit one tile row (a power of two, 16 to 256), both packed
+    alike."""
+    return ((tail.kh, tail.kw, tail.stride, tail.pad, tail.shortcut_stride) == (1, 1, 1, 0, 0)
+            and 16 <= p.cout <= 256 and p.cout & (p.cout - 1) == 0 and not p.space_to_depth
+            and not p.shortcut_stride and p.kmajor == tail.kmajor and p.fp8 == tail.fp8)
+
+
+def pays(x: torch.Tensor, p: PackedConv) -> bool:
+    """Whether the pair runs by default (pair=auto) on the block's input `x`: enough output pixels to give every SM
+    a tile, in the 16- and 8-bit cells, the ones measured (docs/notes/handwritten-toward-the-limit.md)."""
+    n, h, w, _ = x.shape
+    oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
+    return n * oh * ow >= PAIR_MIN_PIXELS and x.element_size() <= 2
+
+
+def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor, precision: str = "ieee",
+              tune: bool = True, pdl: bool = False) -> torch.Tensor:
+    """relu(tail(relu(p(x))) + residual) in one launch, NHWC in and out: as conv2d(conv2d(x, p), tail,
+    residual=residual), p's output rounded to its stored type but never stored (pairable(p, tail) must hold)."""
+    if not pairable(p, tail):
+        raise ValueError(f"conv_pair takes a convolution of 16 to 256 channels (a power of two) and a 1x1 stride-1 "
+                         f"one packed alike; not {p.kh}x{p.kw} -> {p.cout} and {tail.kh}x{tail.kw} stride "
+                         f"{tail.stride}")
+    n, h, w, cin = x.shape
+    oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
+    m, cout2 = n * oh * ow, tail.cout
+    y = torch.empty((n, oh, ow, cout2), device=x.device, dtype=tail.output_dtype or x.dtype)
+    row = p.kw * cin
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]),)
+
+    args = (x, p.weight, p.bias, tail.weight, tail.bias, residual, y, m, h, w, cin, oh, ow, cout2,
+            p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointers
+            tail.scale if tail.fp8 else tail.bias, p.cout, p.kh, p.kw, p.stride, p.pad, precision, p.fp8, p.kmajor,
+            math.gcd(row, 128))
+    if INTERPRET:  # the largest tiles the problem fills (conv.py's `_fixed`)
+        fixed = dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_K=min(128, max(16, triton.next_power_of_2(row))),
+                     BLOCK_N2=min(128, triton.next_power_of_2(cout2)), num_warps=4, num_stages=2)
+    else:
+        fixed = dict(BLOCK_M=64, BLOCK_K=64 if x.element_size() < 4 else 32, BLOCK_N2=64,
+                     num_warps=8 if p.cout >= 256 else 4, num_stages=3)
+    launch(conv_pair_kernel, grid, args, tune, fixed, pdl)
+    return y
