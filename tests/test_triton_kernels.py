@@ -203,11 +203,12 @@ def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w):
         conv_pair(nhwc(x), pack_conv(w2, 1, 1, bias=b2), pack_conv(w3, 2, bias=b3), residual=nhwc(res))
 
 
-def test_the_pair_runs_by_default_in_16_and_8_bit_cells_where_every_sm_gets_a_tile():
+def test_the_pair_runs_by_default_in_16_and_8_bit_cells_where_every_sm_gets_a_tile_of_at_most_128_channels():
     conv2 = pack_conv(torch.randn(64, 64, 3, 3), 1, 1)
     assert pays(torch.empty(32, 56, 56, 64, dtype=torch.bfloat16), conv2)  # batch 32's layer1
     assert not pays(torch.empty(1, 56, 56, 64, dtype=torch.bfloat16), conv2)  # batch 1's: 49 tiles of 64 pixels
     assert not pays(torch.empty(32, 56, 56, 64), conv2)  # fp32 / tf32: not measured
+    assert not pays(torch.empty(256, 14, 14, 256, dtype=torch.bfloat16), pack_conv(torch.randn(256, 256, 3, 3), 1, 1))
 
 
 def test_linear():

@@ -68,8 +68,8 @@ class TritonTier(PythonTier):
     # CUDA graph 0.31 -> 0.28 ms on three machines, batch 256 no slower; fp32 batch 32 7.68 -> 8.37 ms
     # (results/.../checks/fused-shortcut/, checks/early-epilogue/, checks/pdl-default/).
     # pairs: a bottleneck's 3x3 convolution and the 1x1 after it as one kernel, its output kept on the chip
-    # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers with a tile for every SM), in every
-    # block without a downsample (on), or nowhere (off).
+    # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers of at most 128 channels with a
+    # tile for every SM), in every block without a downsample (on), or nowhere (off).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on"),
                "pairs": ("auto", "on", "off")}
     caches = ("triton",)

@@ -9,8 +9,10 @@ in registers, by conv3's weights, BLOCK_N2 output channels at a time, each slice
 attention keeps its scores on the chip between its two products the same way.
 
 What it costs: conv2's tile can no longer be split along its channels, so a launch has M / BLOCK_M programs, and
-each runs both products in turn. Layers with too few pixels to fill the GPU that way (batch 1's, batch 32's layer3)
-run apart (`pays`).
+each runs both products in turn. On the H100 at batch 256 (bf16, `results/.../checks/pairs/`) a layer1 pair ran in
+395 us against 569 apart, a layer2 pair 251 against 309, but a layer3 pair (256 channels: a 64 x 256 fp32 tile,
+one program of 8 warps per SM) 316 against 195. So the pair runs by default (`pays`) where conv2 has at most 128
+channels and enough pixels to give every SM a tile (not at batch 1).
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epi
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 
-# The pair is the default (pair=auto) where conv2 has at least this many output pixels: a 64-pixel tile for each
-# of an H100's or H200's 132 SMs.
-PAIR_MIN_PIXELS = 132 * 64
+# The pair is the default (pairs=auto) where conv2 has at least this many output pixels (a 64-pixel tile for each
+# of an H100's or H200's 132 SMs) and at most this many channels.
+PAIR_MIN_PIXELS, PAIR_MAX_CHANNELS = 132 * 64, 128
 
 # 64- and 128-pixel tiles, conv3 in slices of 64 or 128 channels, 4 or 8 warps; 4 stages for the large tiles only
 # (each configuration is compiled and timed on a cold build: ten, not all 24 combinations)
@@ -108,11 +110,11 @@ def pairable(p: PackedConv, tail: PackedConv) -> bool:
 
 
 def pays(x: torch.Tensor, p: PackedConv) -> bool:
-    """Whether the pair runs by default (pair=auto) on the block's input `x`: enough output pixels to give every SM
-    a tile, in the 16- and 8-bit cells, the ones measured (docs/notes/handwritten-toward-the-limit.md)."""
+    """Whether the pair runs by default (pairs=auto) on the block's input `x`: enough output pixels to give every SM
+    a tile, at most PAIR_MAX_CHANNELS, in the 16- and 8-bit cells, the ones measured."""
     n, h, w, _ = x.shape
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
-    return n * oh * ow >= PAIR_MIN_PIXELS and x.element_size() <= 2
+    return n * oh * ow >= PAIR_MIN_PIXELS and p.cout <= PAIR_MAX_CHANNELS and x.element_size() <= 2
 
 
 def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor, precision: str = "ieee",
