@@ -244,3 +244,12 @@ def test_chain_tune_leaves_the_keys_another_dtype_shares():
     bf16 = shape + "bfloat16,bfloat16,float32,bfloat16,bfloat16,float32,float32,int32"
     assert own_keys([e4m3, e4m3_from_bf16, bf16], "fp8") == [e4m3, e4m3_from_bf16]
     assert own_keys([e4m3, e4m3_from_bf16, bf16], "bf16") == [bf16]
+
+
+def test_option_ab_takes_two_values_the_rung_accepts():
+    from bench.option_ab import parse_option
+
+    assert parse_option("pairs=off,auto") == ("pairs", "off", "auto")
+    for bad in ("pairs=off,maybe", "pairs=off", "colour=red,blue"):
+        with pytest.raises(SystemExit, match="two of the triton rung's values"):
+            parse_option(bad)
