@@ -175,25 +175,41 @@ def test_micro_checks_each_fp8_layer_as_the_fp8_cell_runs_it_and_a_wrong_scale_f
     assert not case.check()["ok"]
 
 
-# (batch, cin, the 3x3's channels (a power of two), the 1x1's channels, h, w): outputs of more than one pixel tile
-# (> 64), conv3's channels in more than one slice (> 128) or in a slice they do not fill
-PAIR_CASES = [(3, 24, 16, 72, 7, 9), (2, 20, 32, 160, 5, 4)]
+# (batch, cin, the 3x3's channels (a power of two), the 1x1's channels, h, w, the downsample's stride (0: none)):
+# outputs of more than one pixel tile (> 64), conv3's channels in more than one slice (> 128) or in a slice they do
+# not fill; a block's first, its downsample fused in, at stride 1 (layer1's) and 2
+PAIR_CASES = [(3, 24, 16, 72, 7, 9, 0), (2, 20, 32, 160, 5, 4, 0), (2, 24, 16, 72, 7, 9, 1), (2, 24, 16, 40, 9, 7, 2)]
 
 
-@pytest.mark.parametrize("n,cin,mid,cout,h,w", PAIR_CASES)
-def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w):
-    """conv_pair against F.conv2d's bottleneck tail (3x3 + ReLU, 1x1 + residual + ReLU), in both weight layouts;
-    in FP8 the same as the two kernels apart (conv2's output rounded to e4m3 in conv3's scale either way); a 1x1
-    that is strided is refused."""
+@pytest.mark.parametrize("n,cin,mid,cout,h,w,sc_stride", PAIR_CASES)
+def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w, sc_stride):
+    """conv_pair against F.conv2d's bottleneck tail (3x3 + ReLU, 1x1 + residual or downsample + ReLU), in both
+    weight layouts; in FP8 the same as the two kernels apart (conv2's output rounded to e4m3 in conv3's scale
+    either way); a 1x1 that is strided, and a fused downsample without the block's input, are refused."""
     torch.manual_seed(0)
+    stride = max(sc_stride, 1)
     x, w2, b2 = torch.randn(n, cin, h, w), torch.randn(mid, cin, 3, 3) / cin ** 0.5, torch.randn(mid)
-    w3, b3, res = torch.randn(cout, mid, 1, 1) / mid ** 0.5, torch.randn(cout), torch.randn(n, cout, h, w)
-    ref = F.relu(F.conv2d(F.relu(F.conv2d(x, w2, b2, 1, 1)), w3, b3) + res)
+    w3, b3 = torch.randn(cout, mid, 1, 1) / mid ** 0.5, torch.randn(cout)
+    mid_ref = F.relu(F.conv2d(x, w2, b2, stride, 1))
+    if sc_stride:  # the block's input (x here: conv1 is not part of the pair), its downsample fused into conv3
+        down, down_bias = torch.randn(cout, cin, 1, 1) / cin ** 0.5, torch.randn(cout)
+        ref = F.relu(F.conv2d(mid_ref, w3, b3) + F.conv2d(x, down, down_bias, sc_stride))
+    else:
+        res = torch.randn(n, cout, *mid_ref.shape[2:])
+        ref = F.relu(F.conv2d(mid_ref, w3, b3) + res)
     for kmajor in (False, True):
-        out = conv_pair(nhwc(x), pack_conv(w2, 1, 1, bias=b2, kmajor=kmajor), pack_conv(w3, bias=b3, kmajor=kmajor),
-                        residual=nhwc(res))
+        conv2, conv3 = pack_conv(w2, stride, 1, bias=b2, kmajor=kmajor), pack_conv(w3, bias=b3, kmajor=kmajor)
+        if sc_stride:
+            conv3 = fuse_shortcut(conv3, pack_conv(down, sc_stride, 0, bias=down_bias, kmajor=kmajor))
+            out = conv_pair(nhwc(x), conv2, conv3, shortcut=nhwc(x))
+        else:
+            out = conv_pair(nhwc(x), conv2, conv3, residual=nhwc(res))
         close(nchw(out), ref)
-    mid_amax = F.relu(F.conv2d(x, w2, b2, 1, 1)).abs().max().item()
+    if sc_stride:
+        with pytest.raises(ValueError, match="as `shortcut`"):
+            conv_pair(nhwc(x), conv2, conv3, residual=nhwc(x))
+        return
+    mid_amax = mid_ref.abs().max().item()
     conv2 = pack_conv(w2, 1, 1, bias=b2, input_amax=x.abs().max().item(), output_amax=mid_amax)
     conv3 = pack_conv(w3, bias=b3, input_amax=mid_amax)
     apart = conv2d(conv2d(nhwc(x), conv2), conv3, residual=nhwc(res))
@@ -259,7 +275,7 @@ def test_bottleneck(downsample):
     close(nchw(run_block(nhwc(x), (convs, shortcut))), ref)
 
 
-# resnet50 with its conv2 + conv3 pairs (pairs=on; by default the fp32 cells run them apart): ten blocks paired
+# resnet50 with its conv2 + conv3 pairs (pairs=on; by default the fp32 cells run them apart): thirteen blocks paired
 # (layer4's 512-channel 3x3s are not), each one launch shorter
 @pytest.mark.parametrize("model,channels_last,pairs", [("resnet50", True, "off"), ("resnet18", False, "auto"),
                                                        ("resnet50", True, "on")])
@@ -279,4 +295,4 @@ def test_tier_forward(model, channels_last, pairs):
     assert built.stats["autotune"] == "interpreter"
     # the stem's two launches, two pools, the classifier; each block's convolutions, the downsample fused in
     blocks = {"resnet50": 16 * 3, "resnet18": 8 * 2}[model]
-    assert built.stats["launches_per_forward"] == 5 + blocks - (10 if pairs == "on" else 0)
+    assert built.stats["launches_per_forward"] == 5 + blocks - (13 if pairs == "on" else 0)

@@ -1,7 +1,8 @@
 """A bottleneck's 3x3 convolution and the 1x1 convolution after it as one kernel: the 3x3's output stays on the chip.
 
-In a bottleneck block without a downsample, conv2 (3x3, C channels) feeds conv3 (1x1, C -> COUT2, plus the residual
-and ReLU). Apart, conv2 writes its [M, C] output and conv3 reads it back: at batch 256, 103 MB each way in every
+In a bottleneck block, conv2 (3x3, C channels) feeds conv3 (1x1, C -> COUT2, plus the residual and ReLU; in a
+block's first, the downsample fused in instead, conv.py `fuse_shortcut`: its K then goes on over the block input's
+channels). Apart, conv2 writes its [M, C] output and conv3 reads it back: at batch 256, 103 MB each way in every
 layer1 block. Here a program computes conv2's tile for all C channels at once (C at most 256: the whole row of
 channels is one tile) with conv2's own K loop (conv.py `_window_gemm`), applies its bias and ReLU, rounds it as
 conv2 would have stored it (the activations' type; in fp8, e4m3 in conv3's input scale), and multiplies it, still
@@ -56,17 +57,22 @@ def _prune(configs, args, **_):
     return kept or [triton.Config({"BLOCK_M": 32, "BLOCK_K": 16, "BLOCK_N2": 32}, num_stages=2, num_warps=4)]
 
 
-@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "COUT2", "KH", "KW", "STRIDE", "PRECISION"], prune=_prune)
-@triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW"])  # one compile for every layer's sizes
+@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "COUT2", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN",
+                        "SC_STRIDE"], prune=_prune)
+@triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW", "SC_H", "SC_W"])  # one compile for every layer's sizes
 def conv_pair_kernel(
         x_ptr, w_ptr, bias_ptr,  # conv2: x [N, H, W, CIN]; w [K, COUT] or K-major [COUT, K]; bias [COUT] fp32
-        w2_ptr, bias2_ptr, res_ptr, y_ptr,  # conv3: w2 [COUT, COUT2] or K-major [COUT2, COUT]; res, y [M, COUT2]
-        M, H, W, CIN, OH, OW, COUT2,
+        w2_ptr, bias2_ptr, res_ptr, y_ptr,  # conv3: w2 [K2, COUT2] or K-major [COUT2, K2], K2 = COUT + SC_CIN;
+        M, H, W, CIN, OH, OW, COUT2,        # res, y [M, COUT2]
+        SC_H, SC_W, SC_CIN,  # a downsample fused into conv3 (conv.py `fuse_shortcut`): res [N, SC_H, SC_W, SC_CIN] is
+                             # the block's input, read at stride SC_STRIDE (0: none; res is the residual)
         scale_ptr, a_inv, mid_inv, scale2_ptr,  # FP8: conv2's scales ([COUT], 1 / x's), 1 / conv3's input scale,
                                                 # conv3's scales [COUT2] (conv.py's kernel has the same)
         COUT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         PRECISION: tl.constexpr, FP8: tl.constexpr, W_KMAJOR: tl.constexpr, K_ALIGN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr, GDC: tl.constexpr = False):
+        SC_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr,
+        GDC: tl.constexpr = False):
+    tl.static_assert(SC_STRIDE == 0 or not FP8, "a fused downsample: bf16/fp32 only, as fuse_shortcut")
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow), the same for both convolutions
     offs_c = tl.arange(0, COUT)  # every channel of conv2's output: conv3's K
@@ -88,23 +94,46 @@ def conv_pair_kernel(
     else:
         mid = mid.to(x_ptr.dtype.element_ty)
 
+    K2 = COUT + SC_CIN  # conv3's K: conv2's channels, then the block input's (the downsample's weights after)
+    if SC_STRIDE > 0:  # each output pixel's pixel in the block's input
+        if SC_STRIDE == 1:
+            shortcut = offs_m * SC_CIN
+        else:
+            ow = offs_m % OW
+            oh = (offs_m // OW) % OH
+            shortcut = (((offs_m // (OW * OH)) * SC_H + oh * SC_STRIDE) * SC_W + ow * SC_STRIDE) * SC_CIN
     for n0 in range(0, COUT2, BLOCK_N2):  # conv3, BLOCK_N2 output channels at a time, each with its epilogue
         offs_n = n0 + tl.arange(0, BLOCK_N2)
         n_ok = offs_n < COUT2
-        if W_KMAJOR:
-            w2 = tl.load(w2_ptr + offs_n[None, :] * COUT + offs_c[:, None], mask=n_ok[None, :], other=0.0)
-        else:
-            w2 = tl.load(w2_ptr + offs_c[:, None] * COUT2 + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-        acc2 = tl.dot(mid, w2, input_precision=PRECISION)
+        acc2 = tl.dot(mid, _weight_rows(w2_ptr, offs_c, offs_n, c_ok, n_ok, K2, COUT2, W_KMAJOR),
+                      input_precision=PRECISION)
+        if SC_STRIDE > 0:  # plus the downsample: the block input's channels, BLOCK_K at a time
+            for k0 in range(0, SC_CIN, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < SC_CIN
+                a = tl.load(res_ptr + shortcut[:, None] + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                acc2 = tl.dot(a, _weight_rows(w2_ptr, COUT + kk, offs_n, k_ok, n_ok, K2, COUT2, W_KMAJOR), acc2,
+                              input_precision=PRECISION)
         bias2, scale2 = _channel_operands(bias2_ptr, scale2_ptr, offs_n, n_ok, FP8)
-        _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, True, True, FP8)
+        _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, SC_STRIDE == 0, True,
+                  FP8)
+
+
+@triton.jit
+def _weight_rows(w_ptr, rows, offs_n, rows_ok, n_ok, K, COUT, W_KMAJOR: tl.constexpr):
+    """The tile w[rows, offs_n] of weights [K, COUT], or of their K-major transpose [COUT, K]."""
+    if W_KMAJOR:
+        offsets = offs_n[None, :] * K + rows[:, None]
+    else:
+        offsets = rows[:, None] * COUT + offs_n[None, :]
+    return tl.load(w_ptr + offsets, mask=rows_ok[:, None] & n_ok[None, :], other=0.0)
 
 
 def pairable(p: PackedConv, tail: PackedConv) -> bool:
-    """Whether one kernel runs `p` and then `tail` on its output: `tail` a 1x1 stride-1 convolution (no downsample
-    fused in), `p` a plain convolution whose channels fit one tile row (a power of two, 16 to 256), both packed
-    alike."""
-    return ((tail.kh, tail.kw, tail.stride, tail.pad, tail.shortcut_stride) == (1, 1, 1, 0, 0)
+    """Whether one kernel runs `p` and then `tail` on its output: `tail` a 1x1 stride-1 convolution (a downsample
+    fused in or not), `p` a plain convolution whose channels fit one tile row (a power of two, 16 to 256), both
+    packed alike."""
+    return ((tail.kh, tail.kw, tail.stride, tail.pad) == (1, 1, 1, 0)
             and 16 <= p.cout <= 256 and p.cout & (p.cout - 1) == 0 and not p.space_to_depth
             and not p.shortcut_stride and p.kmajor == tail.kmajor and p.fp8 == tail.fp8)
 
@@ -117,14 +146,19 @@ def pays(x: torch.Tensor, p: PackedConv) -> bool:
     return n * oh * ow >= PAIR_MIN_PIXELS and p.cout <= PAIR_MAX_CHANNELS and x.element_size() <= 2
 
 
-def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor, precision: str = "ieee",
-              tune: bool = True, pdl: bool = False) -> torch.Tensor:
+def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor | None = None,
+              precision: str = "ieee", tune: bool = True, pdl: bool = False,
+              shortcut: torch.Tensor | None = None) -> torch.Tensor:
     """relu(tail(relu(p(x))) + residual) in one launch, NHWC in and out: as conv2d(conv2d(x, p), tail,
-    residual=residual), p's output rounded to its stored type but never stored (pairable(p, tail) must hold)."""
+    residual=residual), p's output rounded to its stored type but never stored (pairable(p, tail) must hold). With
+    a downsample fused into `tail`, the block's input comes as `shortcut` instead of a residual, as in conv2d."""
     if not pairable(p, tail):
         raise ValueError(f"conv_pair takes a convolution of 16 to 256 channels (a power of two) and a 1x1 stride-1 "
                          f"one packed alike; not {p.kh}x{p.kw} -> {p.cout} and {tail.kh}x{tail.kw} stride "
                          f"{tail.stride}")
+    if bool(tail.shortcut_stride) != (shortcut is not None) or (residual is None) == (shortcut is None):
+        raise ValueError("conv_pair takes the block's input as `shortcut` where a downsample is fused into its 1x1, "
+                         "else a `residual`")
     n, h, w, cin = x.shape
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
     m, cout2 = n * oh * ow, tail.cout
@@ -134,10 +168,12 @@ def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]),)
 
-    args = (x, p.weight, p.bias, tail.weight, tail.bias, residual, y, m, h, w, cin, oh, ow, cout2,
+    sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
+    args = (x, p.weight, p.bias, tail.weight, tail.bias, shortcut if shortcut is not None else residual, y, m, h, w,
+            cin, oh, ow, cout2, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointers
             tail.scale if tail.fp8 else tail.bias, p.cout, p.kh, p.kw, p.stride, p.pad, precision, p.fp8, p.kmajor,
-            math.gcd(row, 128))
+            math.gcd(row, 128), tail.shortcut_stride)
     if INTERPRET:  # the largest tiles the problem fills (conv.py's `_fixed`)
         fixed = dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_K=min(128, max(16, triton.next_power_of_2(row))),
                      BLOCK_N2=min(128, triton.next_power_of_2(cout2)), num_warps=4, num_stages=2)

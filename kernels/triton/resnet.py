@@ -61,6 +61,8 @@ def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None) -> torch.Tensor:
     convs, down = packed
     identity = x if down is None else conv(x, down, relu=False)
     if pair is not None:
+        if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
+            return pair(conv(x, convs[0]), convs[1], convs[2], shortcut=identity)
         return pair(conv(x, convs[0]), convs[1], convs[2], residual=identity)
     for p in convs[:-1]:
         x = conv(x, p)
@@ -79,8 +81,8 @@ class TritonResNet:
     run in e4m3, the activations between them stored in e4m3 and those at block boundaries in `dtype` (bf16); the
     stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
     programmatic dependent launch (kernels/triton/pdl.py). `pairs`: a bottleneck's conv2 and conv3 as one kernel
-    (kernels/triton/pair.py) in every block that has no downsample ("on"), in those where it pays ("auto", `pays`),
-    or in none ("off")."""
+    (kernels/triton/pair.py) in every block whose downsample, if any, is fused into conv3 ("on"), in those where it
+    pays ("auto", `pays`), or in none ("off")."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
                  fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False,
@@ -141,7 +143,7 @@ class TritonResNet:
     def paired(self, x: torch.Tensor, packed) -> bool:
         """Whether the block `packed` runs its conv2 and conv3 as one kernel on its input `x`."""
         convs, down = packed
-        if self.pairs == "off" or down is not None or len(convs) != 3 or convs[-1].shortcut_stride:
+        if self.pairs == "off" or down is not None or len(convs) != 3:
             return False
         return pairable(convs[1], convs[2]) and (self.pairs == "on" or pays(x, convs[1]))
 
