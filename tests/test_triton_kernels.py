@@ -220,11 +220,19 @@ def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w, sc_stri
 
 
 def test_the_pair_runs_by_default_in_16_and_8_bit_cells_where_every_sm_gets_a_tile_of_at_most_128_channels():
-    conv2 = pack_conv(torch.randn(64, 64, 3, 3), 1, 1)
-    assert pays(torch.empty(32, 56, 56, 64, dtype=torch.bfloat16), conv2)  # batch 32's layer1
-    assert not pays(torch.empty(1, 56, 56, 64, dtype=torch.bfloat16), conv2)  # batch 1's: 49 tiles of 64 pixels
-    assert not pays(torch.empty(32, 56, 56, 64), conv2)  # fp32 / tf32: not measured
-    assert not pays(torch.empty(256, 14, 14, 256, dtype=torch.bfloat16), pack_conv(torch.randn(256, 256, 3, 3), 1, 1))
+    conv2, conv3 = pack_conv(torch.randn(64, 64, 3, 3), 1, 1), pack_conv(torch.randn(256, 64, 1, 1))
+    assert pays(torch.empty(32, 56, 56, 256, dtype=torch.bfloat16), conv2, conv3)  # batch 32's layer1
+    assert not pays(torch.empty(1, 56, 56, 256, dtype=torch.bfloat16), conv2, conv3)  # batch 1's: 49 tiles
+    assert not pays(torch.empty(32, 56, 56, 256), conv2, conv3)  # fp32 / tf32: not measured
+    layer3 = pack_conv(torch.randn(256, 256, 3, 3), 1, 1), pack_conv(torch.randn(1024, 256, 1, 1))
+    assert not pays(torch.empty(256, 14, 14, 1024, dtype=torch.bfloat16), *layer3)
+    # a block's first, its downsample fused into conv3: layer1.0 reads 64 channels of its input again, layer2.0 256
+    first = fuse_shortcut(conv3, pack_conv(torch.randn(256, 64, 1, 1)))
+    assert pays(torch.empty(256, 56, 56, 64, dtype=torch.bfloat16), conv2, first)
+    layer2 = pack_conv(torch.randn(128, 128, 3, 3), 2, 1), pack_conv(torch.randn(512, 128, 1, 1))
+    second = fuse_shortcut(layer2[1], pack_conv(torch.randn(512, 256, 1, 1), 2))
+    assert not pays(torch.empty(256, 56, 56, 256, dtype=torch.bfloat16), layer2[0], second)
+    assert pays(torch.empty(256, 28, 28, 512, dtype=torch.bfloat16), *layer2)
 
 
 def test_linear():

@@ -12,8 +12,10 @@ attention keeps its scores on the chip between its two products the same way.
 What it costs: conv2's tile can no longer be split along its channels, so a launch has M / BLOCK_M programs, and
 each runs both products in turn. On the H100 at batch 256 (bf16, `results/.../checks/pairs/`) a layer1 pair ran in
 395 us against 569 apart, a layer2 pair 251 against 309, but a layer3 pair (256 channels: a 64 x 256 fp32 tile,
-one program of 8 warps per SM) 316 against 195. So the pair runs by default (`pays`) where conv2 has at most 128
-channels and enough pixels to give every SM a tile (not at batch 1).
+one program of 8 warps per SM) 316 against 195. A block's first, its downsample fused in: layer1.0 448 against 493,
+but layer2.0, whose 256 input channels each slice of conv3 reads again, 434 against 355. So the pair runs by
+default (`pays`) where conv2 has at most 128 channels, the block's input (if conv3 reads it) no more, and the batch
+gives every SM a tile (not at batch 1).
 """
 from __future__ import annotations
 
@@ -138,12 +140,14 @@ def pairable(p: PackedConv, tail: PackedConv) -> bool:
             and not p.shortcut_stride and p.kmajor == tail.kmajor and p.fp8 == tail.fp8)
 
 
-def pays(x: torch.Tensor, p: PackedConv) -> bool:
+def pays(x: torch.Tensor, p: PackedConv, tail: PackedConv) -> bool:
     """Whether the pair runs by default (pairs=auto) on the block's input `x`: enough output pixels to give every SM
-    a tile, at most PAIR_MAX_CHANNELS, in the 16- and 8-bit cells, the ones measured."""
-    n, h, w, _ = x.shape
+    a tile, at most PAIR_MAX_CHANNELS, in the 16- and 8-bit cells, the ones measured; with a downsample fused into
+    `tail`, only where the block's input has no more channels than `p`: each slice of conv3 reads them again."""
+    n, h, w, c = x.shape
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
-    return n * oh * ow >= PAIR_MIN_PIXELS and p.cout <= PAIR_MAX_CHANNELS and x.element_size() <= 2
+    return (n * oh * ow >= PAIR_MIN_PIXELS and p.cout <= PAIR_MAX_CHANNELS and x.element_size() <= 2
+            and (not tail.shortcut_stride or c <= p.cout))
 
 
 def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor | None = None,

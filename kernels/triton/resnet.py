@@ -145,7 +145,7 @@ class TritonResNet:
         convs, down = packed
         if self.pairs == "off" or down is not None or len(convs) != 3:
             return False
-        return pairable(convs[1], convs[2]) and (self.pairs == "on" or pays(x, convs[1]))
+        return pairable(convs[1], convs[2]) and (self.pairs == "on" or pays(x, convs[1], convs[2]))
 
     @contextlib.contextmanager
     def layer_scopes(self, prefix: str) -> Iterator[None]:
