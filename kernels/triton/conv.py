@@ -363,25 +363,26 @@ def conv2d_nhwc_kernel(
             _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
 
 
-@autotune([triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 4096}, num_warps=8)],
-          key=["TOTAL", "CIN"])
+@autotune([triton.Config({"BLOCK_PIXELS": 64}, num_warps=4), triton.Config({"BLOCK_PIXELS": 256}, num_warps=8)],
+          key=["PIXELS", "CIN"])
 @triton.jit
-def space_to_depth_kernel(x_ptr, z_ptr, TOTAL, H, W, ZH, ZW, CIN: tl.constexpr, CZ: tl.constexpr,
-                          PAD: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+def space_to_depth_kernel(x_ptr, z_ptr, PIXELS, H, W, ZH, ZW, CIN: tl.constexpr, CZ: tl.constexpr,
+                          PAD: tl.constexpr, BLOCK_PIXELS: tl.constexpr, GDC: tl.constexpr = False):
     # z[n, i, j, (u * 2 + v) * CIN + c] = x[n, 2i + u - PAD, 2j + v - PAD, c]; zero outside x and past 4 * CIN.
+    # A tile of BLOCK_PIXELS z pixels x CZ channels: the divisions once per pixel, the tap once per channel, and
+    # each pixel's CZ channels stored as one contiguous run.
     wait_for_prior_kernel(GDC)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ch = offs % CZ
-    pixel = offs // CZ
+    pixel = tl.program_id(0) * BLOCK_PIXELS + tl.arange(0, BLOCK_PIXELS)
     j = pixel % ZW
     i = (pixel // ZW) % ZH
     img = pixel // (ZW * ZH)
+    ch = tl.arange(0, CZ)
     tap = ch // CIN
-    ih = 2 * i + tap // 2 - PAD
-    iw = 2 * j + tap % 2 - PAD
-    ok = (offs < TOTAL) & (tap < 4) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-    v = tl.load(x_ptr + ((img * H + ih) * W + iw) * CIN + ch % CIN, mask=ok, other=0.0)
-    tl.store(z_ptr + offs, v, mask=offs < TOTAL)
+    ih = 2 * i[:, None] + (tap // 2)[None, :] - PAD
+    iw = 2 * j[:, None] + (tap % 2)[None, :] - PAD
+    ok = (pixel < PIXELS)[:, None] & (tap < 4)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    v = tl.load(x_ptr + ((img[:, None] * H + ih) * W + iw) * CIN + (ch % CIN)[None, :], mask=ok, other=0.0)
+    tl.store(z_ptr + pixel[:, None] * CZ + ch[None, :], v, mask=(pixel < PIXELS)[:, None])
 
 
 SPACE_TO_DEPTH_CHANNELS = 16  # a 2x2 tile of 3 channels, zero-padded: 32-byte (16-bit) or 64-byte pixels
@@ -402,13 +403,13 @@ def space_to_depth(x: torch.Tensor, s: SpaceToDepth, tune: bool = True, pdl: boo
     taps = (s.window + 1) // 2
     zh, zw = (h + 2 * s.pad - s.window) // 2 + taps, (w + 2 * s.pad - s.window) // 2 + taps
     z = torch.empty((n, zh, zw, SPACE_TO_DEPTH_CHANNELS), device=x.device, dtype=x.dtype)
-    total = z.numel()
+    pixels = n * zh * zw
 
     def grid(meta):
-        return (triton.cdiv(total, meta["BLOCK"]),)
+        return (triton.cdiv(pixels, meta["BLOCK_PIXELS"]),)
 
-    launch(space_to_depth_kernel, grid, (x, z, total, h, w, zh, zw, c, SPACE_TO_DEPTH_CHANNELS, s.pad), tune,
-           dict(BLOCK=1024, num_warps=4, num_stages=2), pdl)
+    launch(space_to_depth_kernel, grid, (x, z, pixels, h, w, zh, zw, c, SPACE_TO_DEPTH_CHANNELS, s.pad), tune,
+           dict(BLOCK_PIXELS=64, num_warps=4, num_stages=2), pdl)
     return z
 
 
