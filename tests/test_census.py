@@ -122,7 +122,11 @@ def test_training_step_census_names_backward_and_optimizer(tmp_path):
                          flops_per_group("resnet18", 32), 2, True)
     phases = {x["phase"] for x in r["layers"]}
     assert phases == {"forward", "backward", "optimizer"}
-    assert r["attribution"]["autograd (module scopes)"] > 0.3  # backward operators by their forward's layer
+    # backward operators by their forward's layer: every convolution's, and a real share of the time (0.42 on an
+    # idle CPU, 0.23 beside another test run: a share of time on a shared CPU is no sharper than that)
+    backward = {x["layer"] for x in r["layers"] if x["phase"] == "backward"}
+    assert {c.path for c in convolutions("resnet18")} <= backward, backward
+    assert r["attribution"]["autograd (module scopes)"] > 0.1
     groups = {g["group"]: g for g in r["groups"]}
     assert {"optimizer", "loss", "layer3"} <= set(groups) and groups["layer3"]["tflops"] > 0
 
