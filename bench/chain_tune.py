@@ -48,10 +48,11 @@ def candidates(key: str) -> list[dict]:
     entries; for conv2d_nhwc_kernel also each small tile with 8 warps and with 3 stages."""
     kernel, sizes, dtypes = key.split("|")
     x = torch.empty(0, dtype=getattr(torch, dtypes.split(",")[0]))  # the pruners read its element size
-    if kernel == pair.conv_pair_kernel.fn.__name__:  # M, H, W, CIN, COUT, COUT2, ...
-        m, _, _, _, cout, cout2 = (int(v) for v in sizes.split(",")[:6])
+    if kernel == pair.conv_pair_kernel.fn.__name__:  # M, H, W, CIN, COUT, COUT2, KH, KW, STRIDE, ..., C3
+        values = sizes.split(",")
+        m, _, _, _, cout, cout2 = (int(v) for v in values[:6])
         return [{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
-                for c in pair._prune(pair.CONFIGS, dict(x_ptr=x, M=m, COUT=cout, COUT2=cout2))]
+                for c in pair._prune(pair.CONFIGS, dict(x_ptr=x, M=m, COUT=cout, COUT2=cout2, C3=int(values[12])))]
     m, _, _, cin, cout, kh, kw = (int(v) for v in sizes.split(",")[:7])
     pruned = conv._prune(conv.CONFIGS, dict(x_ptr=x, KW=kw, CIN=cin, M=m, COUT=cout, KH=kh,
                                             SC_CIN=int(sizes.split(",")[9])))

@@ -14,7 +14,7 @@ import torchvision  # noqa: E402
 
 from core.model import build_model  # noqa: E402
 from kernels.triton.conv import _fixed, _split_buffers, conv2d, fuse_shortcut, pack_conv  # noqa: E402
-from kernels.triton.pair import conv_pair, pays  # noqa: E402
+from kernels.triton.pair import chainable, conv_pair, pays  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
 from core.cell import Cell, Store  # noqa: E402
@@ -183,9 +183,10 @@ PAIR_CASES = [(3, 24, 16, 72, 7, 9, 0), (2, 20, 32, 160, 5, 4, 0), (2, 24, 16, 7
 
 @pytest.mark.parametrize("n,cin,mid,cout,h,w,sc_stride", PAIR_CASES)
 def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w, sc_stride):
-    """conv_pair against F.conv2d's bottleneck tail (3x3 + ReLU, 1x1 + residual or downsample + ReLU), in both
-    weight layouts; in FP8 the same as the two kernels apart (conv2's output rounded to e4m3 in conv3's scale
-    either way); a 1x1 that is strided, and a fused downsample without the block's input, are refused."""
+    """conv_pair against F.conv2d's bottleneck tail (3x3 + ReLU, 1x1 + residual or downsample + ReLU), alone and
+    with the next block's conv1 chained, in both weight layouts; in FP8 the same as the kernels apart (conv2's
+    output rounded to e4m3 in conv3's scale either way, the block's output in conv1's); a 1x1 that is strided, and
+    a fused downsample without the block's input, are refused."""
     torch.manual_seed(0)
     stride = max(sc_stride, 1)
     x, w2, b2 = torch.randn(n, cin, h, w), torch.randn(mid, cin, 3, 3) / cin ** 0.5, torch.randn(mid)
@@ -197,14 +198,21 @@ def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w, sc_stri
     else:
         res = torch.randn(n, cout, *mid_ref.shape[2:])
         ref = F.relu(F.conv2d(mid_ref, w3, b3) + res)
+    # the next block's conv1, chained: run on the output as stored
+    w4, b4 = torch.randn(16, cout, 1, 1) / cout ** 0.5, torch.randn(16)
+    ref_next = F.relu(F.conv2d(ref, w4, b4))
     for kmajor in (False, True):
         conv2, conv3 = pack_conv(w2, stride, 1, bias=b2, kmajor=kmajor), pack_conv(w3, bias=b3, kmajor=kmajor)
+        conv4 = pack_conv(w4, bias=b4, kmajor=kmajor)
         if sc_stride:
             conv3 = fuse_shortcut(conv3, pack_conv(down, sc_stride, 0, bias=down_bias, kmajor=kmajor))
-            out = conv_pair(nhwc(x), conv2, conv3, shortcut=nhwc(x))
-        else:
-            out = conv_pair(nhwc(x), conv2, conv3, residual=nhwc(res))
+        side = {"shortcut": nhwc(x)} if sc_stride else {"residual": nhwc(res)}
+        out, none = conv_pair(nhwc(x), conv2, conv3, **side)
         close(nchw(out), ref)
+        assert none is None
+        out, following = conv_pair(nhwc(x), conv2, conv3, chain=conv4, **side)
+        close(nchw(out), ref)
+        close(nchw(following), ref_next)
     if sc_stride:
         with pytest.raises(ValueError, match="as `shortcut`"):
             conv_pair(nhwc(x), conv2, conv3, residual=nhwc(x))
@@ -212,8 +220,13 @@ def test_3x3_and_the_1x1_after_it_as_one_kernel(n, cin, mid, cout, h, w, sc_stri
     mid_amax = mid_ref.abs().max().item()
     conv2 = pack_conv(w2, 1, 1, bias=b2, input_amax=x.abs().max().item(), output_amax=mid_amax)
     conv3 = pack_conv(w3, bias=b3, input_amax=mid_amax)
+    conv4 = pack_conv(w4, bias=b4, input_amax=ref.abs().max().item(), output_amax=ref_next.abs().max().item())
     apart = conv2d(conv2d(nhwc(x), conv2), conv3, residual=nhwc(res))
-    close(conv_pair(nhwc(x), conv2, conv3, residual=nhwc(res)), apart, 1e-5)
+    apart_next = conv2d(apart, conv4)
+    out, following = conv_pair(nhwc(x), conv2, conv3, residual=nhwc(res), chain=conv4)
+    assert following.dtype == torch.float8_e4m3fn  # conv1 feeds its block's conv2 in e4m3, as apart
+    close(out, apart, 1e-5)
+    close(following.float(), apart_next.float(), 1e-5)
     close(nchw(apart), ref, 0.15)  # and e4m3's rounding, not a wrong index: the fp8 cell's tolerance
     with pytest.raises(ValueError, match="1x1 stride-1"):
         conv_pair(nhwc(x), pack_conv(w2, 1, 1, bias=b2), pack_conv(w3, 2, bias=b3), residual=nhwc(res))
@@ -284,7 +297,8 @@ def test_bottleneck(downsample):
 
 
 # resnet50 with its conv2 + conv3 pairs (pairs=on; by default the fp32 cells run them apart): thirteen blocks paired
-# (layer4's 512-channel 3x3s are not), each one launch shorter
+# (layer4's 512-channel 3x3s are not), each one launch shorter, and six of them run the next block's conv1 too
+# (those of layer1 and layer2 but the last: layer3's conv1s have 256 channels)
 @pytest.mark.parametrize("model,channels_last,pairs", [("resnet50", True, "off"), ("resnet18", False, "auto"),
                                                        ("resnet50", True, "on")])
 def test_tier_forward(model, channels_last, pairs):
@@ -303,4 +317,4 @@ def test_tier_forward(model, channels_last, pairs):
     assert built.stats["autotune"] == "interpreter"
     # the stem's two launches, two pools, the classifier; each block's convolutions, the downsample fused in
     blocks = {"resnet50": 16 * 3, "resnet18": 8 * 2}[model]
-    assert built.stats["launches_per_forward"] == 5 + blocks - (13 if pairs == "on" else 0)
+    assert built.stats["launches_per_forward"] == 5 + blocks - (13 + 6 if pairs == "on" else 0)

@@ -70,8 +70,10 @@ class TritonTier(PythonTier):
     # pairs: a bottleneck's 3x3 convolution and the 1x1 after it as one kernel, its output kept on the chip
     # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers of at most 128 channels with a
     # tile for every SM), in every block without a downsample (on), or nowhere (off).
+    # chain: a pair also runs the next block's conv1 (a 1x1 of at most 128 channels) on its output, which that
+    # conv1 then never reads back (on), or not (off).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on"),
-               "pairs": ("auto", "on", "off")}
+               "pairs": ("auto", "on", "off"), "chain": ("on", "off")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
@@ -117,7 +119,8 @@ class TritonTier(PythonTier):
         # Programmatic dependent launch exists from Hopper (compute capability 9.0) on; before it, pdl=on runs off.
         pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
-                           planned=self.setting(cell, "launch") == "plan", pdl=pdl, pairs=self.setting(cell, "pairs"))
+                           planned=self.setting(cell, "launch") == "plan", pdl=pdl, pairs=self.setting(cell, "pairs"),
+                           chains=self.setting(cell, "chain") == "on")
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():
@@ -141,6 +144,7 @@ class TritonTier(PythonTier):
             "launch": "plan" if net.planned else "jit",  # Triton's launch path, or a recorded forward replayed
             "pdl": "on" if pdl else "off",  # programmatic dependent launches, as run
             "pairs": self.setting(cell, "pairs"),  # as set; launches_per_forward counts the kernels that ran
+            "chain": self.setting(cell, "chain"),
             **({"fp8": FP8_RECIPE} if fp8 else {}),
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))

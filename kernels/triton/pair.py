@@ -42,25 +42,27 @@ CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_K": 64, "BLOCK_N2": bn2}, num_st
 
 
 def _prune(configs, args, **_):
-    """Configurations whose fp32 tiles (conv2's BLOCK_M x C, conv3's BLOCK_M x BLOCK_N2) hold at most 64 values a
-    thread, and whose shared memory fits: conv2's pipeline and two of conv3's weight slices (ptxas agrees within
-    10% on the H100's tiles); K tiles halved for 4-byte types, as conv.py's."""
-    elem, c, m, cout2 = args["x_ptr"].element_size(), args["COUT"], args["M"], args["COUT2"]
+    """Configurations whose fp32 tiles (conv2's BLOCK_M x C; conv3's BLOCK_M x BLOCK_N2 beside the next conv1's
+    BLOCK_M x C3) hold at most 64 values a thread, and whose shared memory fits: conv2's pipeline, two of conv3's weight slices and, chained, two of the
+    next conv1's and the slice it reads (ptxas agrees within 25% on the H100's tiles); K tiles halved for 4-byte types, as conv.py's."""
+    elem, c, m, cout2, c3 = (args["x_ptr"].element_size(), args["COUT"], args["M"], args["COUT2"],
+                             args.get("C3", 0))
     kept = []
     for cfg in configs:
         bm, bk, bn2 = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_K", "BLOCK_N2"))
         bk = bk // 2 if elem == 4 else bk
         threads = 32 * cfg.num_warps
-        if (bm * c <= 64 * threads and bm * bn2 <= 64 * threads and bn2 <= cout2
+        if (bm * c <= 64 * threads and bm * (bn2 + c3) <= 64 * threads and bn2 <= cout2
                 and bm <= max(32, triton.next_power_of_2(m))
-                and (cfg.num_stages * (bm + c) * bk + 2 * c * bn2) * elem <= SMEM_BYTES):
+                and (cfg.num_stages * (bm + c) * bk + 2 * c * bn2 + (2 * bn2 * c3 + bm * bn2 if c3 else 0)) * elem
+                <= SMEM_BYTES):
             kept.append(triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N2": bn2}, num_stages=cfg.num_stages,
                                       num_warps=cfg.num_warps))
     return kept or [triton.Config({"BLOCK_M": 32, "BLOCK_K": 16, "BLOCK_N2": 32}, num_stages=2, num_warps=4)]
 
 
 @autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "COUT2", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN",
-                        "SC_STRIDE"], prune=_prune)
+                        "SC_STRIDE", "C3"], prune=_prune)
 @triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW", "SC_H", "SC_W"])  # one compile for every layer's sizes
 def conv_pair_kernel(
         x_ptr, w_ptr, bias_ptr,  # conv2: x [N, H, W, CIN]; w [K, COUT] or K-major [COUT, K]; bias [COUT] fp32
@@ -70,10 +72,12 @@ def conv_pair_kernel(
                              # the block's input, read at stride SC_STRIDE (0: none; res is the residual)
         scale_ptr, a_inv, mid_inv, scale2_ptr,  # FP8: conv2's scales ([COUT], 1 / x's), 1 / conv3's input scale,
                                                 # conv3's scales [COUT2] (conv.py's kernel has the same)
+        w3_ptr, bias3_ptr, y3_ptr, scale3_ptr, a3_inv, out3_inv,  # the next block's conv1 (C3 > 0): w3 [COUT2, C3]
+        # or K-major [C3, COUT2], y3 [M, C3]; FP8: its scales [C3], 1 / its input's scale, 1 / its output's scale
         COUT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         PRECISION: tl.constexpr, FP8: tl.constexpr, W_KMAJOR: tl.constexpr, K_ALIGN: tl.constexpr,
-        SC_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr,
-        GDC: tl.constexpr = False):
+        SC_STRIDE: tl.constexpr, C3: tl.constexpr,  # C3: the next block's conv1's channels (0: not chained)
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr, GDC: tl.constexpr = False):
     tl.static_assert(SC_STRIDE == 0 or not FP8, "a fused downsample: bf16/fp32 only, as fuse_shortcut")
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels (n, oh, ow), the same for both convolutions
@@ -104,6 +108,10 @@ def conv_pair_kernel(
             ow = offs_m % OW
             oh = (offs_m // OW) % OH
             shortcut = (((offs_m // (OW * OH)) * SC_H + oh * SC_STRIDE) * SC_W + ow * SC_STRIDE) * SC_CIN
+    if C3 > 0:  # the next block's conv1, whose K is this block's output: one more product per slice
+        offs_c3 = tl.arange(0, C3)
+        c3_ok = offs_c3 < C3
+        acc3 = tl.zeros((BLOCK_M, C3), dtype=tl.float32)
     for n0 in range(0, COUT2, BLOCK_N2):  # conv3, BLOCK_N2 output channels at a time, each with its epilogue
         offs_n = n0 + tl.arange(0, BLOCK_N2)
         n_ok = offs_n < COUT2
@@ -117,8 +125,16 @@ def conv_pair_kernel(
                 acc2 = tl.dot(a, _weight_rows(w2_ptr, COUT + kk, offs_n, k_ok, n_ok, K2, COUT2, W_KMAJOR), acc2,
                               input_precision=PRECISION)
         bias2, scale2 = _channel_operands(bias2_ptr, scale2_ptr, offs_n, n_ok, FP8)
-        _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, SC_STRIDE == 0, True,
-                  FP8)
+        out = _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, SC_STRIDE == 0,
+                        True, FP8)
+        if C3 > 0:  # the slice as stored, into the next conv1 (in FP8 rounded to e4m3 as that conv1 would)
+            if FP8:
+                out = tl.clamp(out.to(tl.float32) * a3_inv, -448.0, 448.0).to(tl.float8e4nv)
+            acc3 = tl.dot(out, _weight_rows(w3_ptr, offs_n, offs_c3, n_ok, c3_ok, COUT2, C3, W_KMAJOR), acc3,
+                          input_precision=PRECISION)
+    if C3 > 0:
+        bias3, scale3 = _channel_operands(bias3_ptr, scale3_ptr, offs_c3, c3_ok, FP8)
+        _epilogue(acc3, offs_m, offs_c3, M, C3, bias3, scale3, 0.0, y3_ptr, y3_ptr, out3_inv, False, True, FP8)
 
 
 @triton.jit
@@ -150,16 +166,27 @@ def pays(x: torch.Tensor, p: PackedConv, tail: PackedConv) -> bool:
             and (not tail.shortcut_stride or c <= p.cout))
 
 
+def chainable(tail: PackedConv, nxt: PackedConv) -> bool:
+    """Whether the pair ending in `tail` can also run `nxt`, the next block's conv1, on its output: a 1x1 stride-1
+    convolution of 16 to 128 channels (a power of two: one tile row beside conv3's), packed alike."""
+    return ((nxt.kh, nxt.kw, nxt.stride, nxt.pad, nxt.shortcut_stride) == (1, 1, 1, 0, 0) and not nxt.space_to_depth
+            and 16 <= nxt.cout <= 128 and nxt.cout & (nxt.cout - 1) == 0 and nxt.kmajor == tail.kmajor
+            and nxt.fp8 == tail.fp8)
+
+
 def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor | None = None,
-              precision: str = "ieee", tune: bool = True, pdl: bool = False,
-              shortcut: torch.Tensor | None = None) -> torch.Tensor:
+              precision: str = "ieee", tune: bool = True, pdl: bool = False, shortcut: torch.Tensor | None = None,
+              chain: PackedConv | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """relu(tail(relu(p(x))) + residual) in one launch, NHWC in and out: as conv2d(conv2d(x, p), tail,
     residual=residual), p's output rounded to its stored type but never stored (pairable(p, tail) must hold). With
-    a downsample fused into `tail`, the block's input comes as `shortcut` instead of a residual, as in conv2d."""
-    if not pairable(p, tail):
-        raise ValueError(f"conv_pair takes a convolution of 16 to 256 channels (a power of two) and a 1x1 stride-1 "
-                         f"one packed alike; not {p.kh}x{p.kw} -> {p.cout} and {tail.kh}x{tail.kw} stride "
-                         f"{tail.stride}")
+    a downsample fused into `tail`, the block's input comes as `shortcut` instead of a residual, as in conv2d.
+    `chain`: the next block's conv1 (chainable(tail, chain)), run in the same launch on the output as stored.
+    Returns the output and the chained convolution's output (None without `chain`)."""
+    if not pairable(p, tail) or (chain is not None and not chainable(tail, chain)):
+        raise ValueError(f"conv_pair takes a convolution of 16 to 256 channels (a power of two), a 1x1 stride-1 one "
+                         f"and optionally a 1x1 stride-1 one of 16 to 128 channels, packed alike; not {p.kh}x{p.kw} "
+                         f"-> {p.cout}, {tail.kh}x{tail.kw} stride {tail.stride}"
+                         + (f", {chain.kh}x{chain.kw} stride {chain.stride} -> {chain.cout}" if chain else ""))
     if bool(tail.shortcut_stride) != (shortcut is not None) or (residual is None) == (shortcut is None):
         raise ValueError("conv_pair takes the block's input as `shortcut` where a downsample is fused into its 1x1, "
                          "else a `residual`")
@@ -167,17 +194,23 @@ def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.
     oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
     m, cout2 = n * oh * ow, tail.cout
     y = torch.empty((n, oh, ow, cout2), device=x.device, dtype=tail.output_dtype or x.dtype)
+    y3 = (torch.empty((n, oh, ow, chain.cout), device=x.device, dtype=chain.output_dtype or y.dtype)
+          if chain is not None else None)
     row = p.kw * cin
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]),)
 
     sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
+    nxt = chain or tail  # without a chain, its pointers are conv3's (unused)
     args = (x, p.weight, p.bias, tail.weight, tail.bias, shortcut if shortcut is not None else residual, y, m, h, w,
             cin, oh, ow, cout2, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointers
-            tail.scale if tail.fp8 else tail.bias, p.cout, p.kh, p.kw, p.stride, p.pad, precision, p.fp8, p.kmajor,
-            math.gcd(row, 128), tail.shortcut_stride)
+            tail.scale if tail.fp8 else tail.bias,
+            nxt.weight, nxt.bias, y3 if chain is not None else y, nxt.scale if nxt.fp8 else nxt.bias, nxt.input_inv,
+            nxt.output_inv or 1.0,
+            p.cout, p.kh, p.kw, p.stride, p.pad, precision, p.fp8, p.kmajor, math.gcd(row, 128), tail.shortcut_stride,
+            chain.cout if chain is not None else 0)
     if INTERPRET:  # the largest tiles the problem fills (conv.py's `_fixed`)
         fixed = dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_K=min(128, max(16, triton.next_power_of_2(row))),
                      BLOCK_N2=min(128, triton.next_power_of_2(cout2)), num_warps=4, num_stages=2)
@@ -185,4 +218,4 @@ def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.
         fixed = dict(BLOCK_M=64, BLOCK_K=64 if x.element_size() < 4 else 32, BLOCK_N2=64,
                      num_warps=8 if p.cout >= 256 else 4, num_stages=3)
     launch(conv_pair_kernel, grid, args, tune, fixed, pdl)
-    return y
+    return y, y3

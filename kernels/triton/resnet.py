@@ -10,7 +10,7 @@ import torch
 
 from kernels.triton import plan
 from kernels.triton.conv import PackedConv, conv2d, fuse_shortcut, pack_conv
-from kernels.triton.pair import conv_pair, pairable, pays
+from kernels.triton.pair import chainable, conv_pair, pairable, pays
 from kernels.triton.pool import global_avg_pool, max_pool2d
 
 
@@ -55,20 +55,24 @@ def input_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
     return amax
 
 
-def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None) -> torch.Tensor:
+def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None, first: torch.Tensor | None = None,
+              chain: PackedConv | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """relu(convs(x) + shortcut(x)) on NHWC `x`, every batch-norm, ReLU and the residual add fused into the convs;
-    with `pair` (conv_pair's signature), a bottleneck's conv2 and conv3 in one kernel."""
+    with `pair` (conv_pair's signature), a bottleneck's conv2 and conv3 in one kernel, and with `chain` the next
+    block's conv1 in it too. `first`: this block's conv1 output, where the block before computed it. Returns the
+    block's output and the next block's conv1 output (None unless chained)."""
     convs, down = packed
     identity = x if down is None else conv(x, down, relu=False)
+    h = first if first is not None else conv(x, convs[0])
     if pair is not None:
-        if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
-            return pair(conv(x, convs[0]), convs[1], convs[2], shortcut=identity)
-        return pair(conv(x, convs[0]), convs[1], convs[2], residual=identity)
-    for p in convs[:-1]:
-        x = conv(x, p)
+        # the downsample fused in: it reads the block's input itself
+        side = {"shortcut": identity} if convs[-1].shortcut_stride else {"residual": identity}
+        return pair(h, convs[1], convs[2], chain=chain, **side)
+    for p in convs[1:-1]:
+        h = conv(h, p)
     if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
-        return conv(x, convs[-1], shortcut=identity)
-    return conv(x, convs[-1], residual=identity)
+        return conv(h, convs[-1], shortcut=identity), None
+    return conv(h, convs[-1], residual=identity), None
 
 
 PAIRS = ("auto", "on", "off")
@@ -82,16 +86,17 @@ class TritonResNet:
     stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
     programmatic dependent launch (kernels/triton/pdl.py). `pairs`: a bottleneck's conv2 and conv3 as one kernel
     (kernels/triton/pair.py) in every block whose downsample, if any, is fused into conv3 ("on"), in those where it
-    pays ("auto", `pays`), or in none ("off")."""
+    pays ("auto", `pays`), or in none ("off"); `chains`: a pair also runs the next block's conv1 on its output,
+    where that one is a 1x1 of at most 128 channels (`chainable`)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
                  fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False,
-                 pairs: str = "auto"):
+                 pairs: str = "auto", chains: bool = True):
         if pairs not in PAIRS:
             raise ValueError(f"pairs must be one of {', '.join(PAIRS)}, not {pairs!r}")
         self.conv = partial(conv2d, precision=precision, tune=tune, pdl=pdl)
         self.pair = partial(conv_pair, precision=precision, tune=tune, pdl=pdl)
-        self.pairs = pairs
+        self.pairs, self.chains = pairs, chains
         self.max_pool = partial(max_pool2d, tune=tune, pdl=pdl)
         self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl)
         kmajor = dtype == torch.float32 and precision == "tf32"
@@ -135,8 +140,13 @@ class TritonResNet:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The network on NHWC `x`, each launch through Triton's own launch path."""
         x = self.max_pool(self.conv(x, self.stem))
-        for packed in self.blocks:
-            x = run_block(x, packed, self.conv, self.pair if self.paired(x, packed) else None)
+        ahead = None  # this block's conv1 output, where the block before computed it
+        for i, packed in enumerate(self.blocks):
+            paired = self.paired(x, packed)
+            following = self.blocks[i + 1][0][0] if i + 1 < len(self.blocks) else None
+            chain = (following if paired and self.chains and following is not None
+                     and chainable(packed[0][-1], following) else None)
+            x, ahead = run_block(x, packed, self.conv, self.pair if paired else None, ahead, chain)
         pooled = self.avg_pool(x)
         return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
 
@@ -160,7 +170,8 @@ class TritonResNet:
         plain = self.conv, self.pair, self.max_pool, self.avg_pool
         self.scoped = True
         self.conv = named(self.conv, lambda x, p, **_: self.paths[id(p)])
-        self.pair = named(self.pair, lambda x, p, tail, **_: f"{self.paths[id(p)]}+{self.paths[id(tail)]}")
+        self.pair = named(self.pair, lambda x, p, tail, chain=None, **_: "+".join(
+            self.paths[id(c)] for c in (p, tail, chain) if c is not None))
         self.max_pool = named(self.max_pool, lambda x: "maxpool")
         self.avg_pool = named(self.avg_pool, lambda x: "avgpool")
         try:
