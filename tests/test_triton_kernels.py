@@ -246,6 +246,10 @@ def test_the_pair_runs_by_default_in_16_and_8_bit_cells_where_every_sm_gets_a_ti
     second = fuse_shortcut(layer2[1], pack_conv(torch.randn(512, 256, 1, 1), 2))
     assert not pays(torch.empty(256, 56, 56, 256, dtype=torch.bfloat16), layer2[0], second)
     assert pays(torch.empty(256, 28, 28, 512, dtype=torch.bfloat16), *layer2)
+    # the next block's conv1 chained into a pair: a 1x1 of at most 128 channels (layer3's 256 are not)
+    assert chainable(conv3, pack_conv(torch.randn(64, 256, 1, 1)))
+    assert not chainable(conv3, pack_conv(torch.randn(256, 256, 1, 1)))
+    assert not chainable(conv3, pack_conv(torch.randn(64, 256, 3, 3), 1, 1))
 
 
 def test_linear():
