@@ -14,7 +14,7 @@ import torchvision  # noqa: E402
 
 from core.model import build_model  # noqa: E402
 from kernels.triton.conv import _fixed, _split_buffers, conv2d, fuse_shortcut, pack_conv  # noqa: E402
-from kernels.triton.pair import chainable, conv_pair, pays  # noqa: E402
+from kernels.triton.pair import chain_pays, chainable, conv_pair, pays  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
 from core.cell import Cell, Store  # noqa: E402
@@ -250,6 +250,10 @@ def test_the_pair_runs_by_default_in_16_and_8_bit_cells_where_every_sm_gets_a_ti
     assert chainable(conv3, pack_conv(torch.randn(64, 256, 1, 1)))
     assert not chainable(conv3, pack_conv(torch.randn(256, 256, 1, 1)))
     assert not chainable(conv3, pack_conv(torch.randn(64, 256, 3, 3), 1, 1))
+    # and by default where it was measured faster: a 64-channel conv1 after a pair without a downsample
+    assert chain_pays(conv3, pack_conv(torch.randn(64, 256, 1, 1)))
+    assert not chain_pays(conv3, pack_conv(torch.randn(128, 256, 1, 1)))
+    assert not chain_pays(first, pack_conv(torch.randn(64, 256, 1, 1)))
 
 
 def test_linear():
@@ -300,9 +304,9 @@ def test_bottleneck(downsample):
     close(nchw(run_block(nhwc(x), (convs, shortcut))), ref)
 
 
-# resnet50 with its conv2 + conv3 pairs (pairs=on; by default the fp32 cells run them apart): thirteen blocks paired
-# (layer4's 512-channel 3x3s are not), each one launch shorter, and six of them run the next block's conv1 too
-# (those of layer1 and layer2 but the last: layer3's conv1s have 256 channels)
+# resnet50 with its conv2 + conv3 pairs (pairs=on, chain=on; by default the fp32 cells run them apart): thirteen
+# blocks paired (layer4's 512-channel 3x3s are not), each one launch shorter, and six of them run the next block's
+# conv1 too (those of layer1 and layer2 but the last: layer3's conv1s have 256 channels)
 @pytest.mark.parametrize("model,channels_last,pairs", [("resnet50", True, "off"), ("resnet18", False, "auto"),
                                                        ("resnet50", True, "on")])
 def test_tier_forward(model, channels_last, pairs):
@@ -312,7 +316,8 @@ def test_tier_forward(model, channels_last, pairs):
     x = torch.randn(1, 3, 32, 32)
     example = x.to(memory_format=torch.channels_last) if channels_last else x
     built = TIER.build(net, example, Cell(tier="triton", model=model, batch=1, res=32, device="cpu",
-                                          channels_last=channels_last, options=(("pairs", pairs),)), Store())
+                                          channels_last=channels_last, options=(("chain", pairs), ("pairs", pairs))),
+                       Store())
     with torch.no_grad():
         ref = net(x)
     out = built.forward(example)

@@ -70,10 +70,11 @@ class TritonTier(PythonTier):
     # pairs: a bottleneck's 3x3 convolution and the 1x1 after it as one kernel, its output kept on the chip
     # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers of at most 128 channels with a
     # tile for every SM), in every block without a downsample (on), or nowhere (off).
-    # chain: a pair also runs the next block's conv1 (a 1x1 of at most 128 channels) on its output, which that
-    # conv1 then never reads back (on), or not (off).
+    # chain: a pair also runs the next block's conv1 on its output, which that conv1 then never reads back: where it
+    # pays (auto: a 64-channel conv1 after a pair without a downsample), wherever it can (on: a 1x1 of at most 128
+    # channels), or nowhere (off).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on"),
-               "pairs": ("auto", "on", "off"), "chain": ("on", "off")}
+               "pairs": ("auto", "on", "off"), "chain": ("auto", "on", "off")}
     caches = ("triton",)
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
@@ -120,7 +121,7 @@ class TritonTier(PythonTier):
         pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
                            planned=self.setting(cell, "launch") == "plan", pdl=pdl, pairs=self.setting(cell, "pairs"),
-                           chains=self.setting(cell, "chain") == "on")
+                           chains=self.setting(cell, "chain"))
         before = dict(tuning.STATS)
         start = time.perf_counter()
         with torch.no_grad():

@@ -174,6 +174,14 @@ def chainable(tail: PackedConv, nxt: PackedConv) -> bool:
             and nxt.fp8 == tail.fp8)
 
 
+def chain_pays(tail: PackedConv, nxt: PackedConv) -> bool:
+    """Whether a pair runs the next block's conv1 by default (chain=auto): measured on the H100 at batch 256
+    (`results/.../checks/pairs/chain/`), a chain into layer1's 64-channel conv1 saved 94 us in bf16 and 142 in
+    fp8, but one into layer2's 128-channel conv1s, or after a fused downsample, cost 130-320 us (a 64 x 128 fp32 tile
+    more a thread: fewer programs per SM)."""
+    return nxt.cout <= 64 and not tail.shortcut_stride
+
+
 def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor | None = None,
               precision: str = "ieee", tune: bool = True, pdl: bool = False, shortcut: torch.Tensor | None = None,
               chain: PackedConv | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,7 +10,7 @@ import torch
 
 from kernels.triton import plan
 from kernels.triton.conv import PackedConv, conv2d, fuse_shortcut, pack_conv
-from kernels.triton.pair import chainable, conv_pair, pairable, pays
+from kernels.triton.pair import chain_pays, chainable, conv_pair, pairable, pays
 from kernels.triton.pool import global_avg_pool, max_pool2d
 
 
@@ -87,13 +87,14 @@ class TritonResNet:
     programmatic dependent launch (kernels/triton/pdl.py). `pairs`: a bottleneck's conv2 and conv3 as one kernel
     (kernels/triton/pair.py) in every block whose downsample, if any, is fused into conv3 ("on"), in those where it
     pays ("auto", `pays`), or in none ("off"); `chains`: a pair also runs the next block's conv1 on its output,
-    where that one is a 1x1 of at most 128 channels (`chainable`)."""
+    wherever it can ("on", `chainable`), where it pays ("auto", `chain_pays`), or nowhere ("off")."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device, precision: str = "ieee", tune: bool = True,
                  fp8_amax: dict[str, float] | None = None, planned: bool = False, pdl: bool = False,
-                 pairs: str = "auto", chains: bool = True):
-        if pairs not in PAIRS:
-            raise ValueError(f"pairs must be one of {', '.join(PAIRS)}, not {pairs!r}")
+                 pairs: str = "auto", chains: str = "auto"):
+        for name, value in (("pairs", pairs), ("chains", chains)):
+            if value not in PAIRS:
+                raise ValueError(f"{name} must be one of {', '.join(PAIRS)}, not {value!r}")
         self.conv = partial(conv2d, precision=precision, tune=tune, pdl=pdl)
         self.pair = partial(conv_pair, precision=precision, tune=tune, pdl=pdl)
         self.pairs, self.chains = pairs, chains
@@ -144,8 +145,7 @@ class TritonResNet:
         for i, packed in enumerate(self.blocks):
             paired = self.paired(x, packed)
             following = self.blocks[i + 1][0][0] if i + 1 < len(self.blocks) else None
-            chain = (following if paired and self.chains and following is not None
-                     and chainable(packed[0][-1], following) else None)
+            chain = following if paired and self.chained(packed[0][-1], following) else None
             x, ahead = run_block(x, packed, self.conv, self.pair if paired else None, ahead, chain)
         pooled = self.avg_pool(x)
         return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
@@ -156,6 +156,12 @@ class TritonResNet:
         if self.pairs == "off" or down is not None or len(convs) != 3:
             return False
         return pairable(convs[1], convs[2]) and (self.pairs == "on" or pays(x, convs[1], convs[2]))
+
+    def chained(self, tail: PackedConv, following: PackedConv | None) -> bool:
+        """Whether a pair ending in `tail` also runs `following`, the next block's conv1."""
+        if self.chains == "off" or following is None or not chainable(tail, following):
+            return False
+        return self.chains == "on" or chain_pays(tail, following)
 
     @contextlib.contextmanager
     def layer_scopes(self, prefix: str) -> Iterator[None]:
