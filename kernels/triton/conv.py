@@ -148,9 +148,9 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, ou
               RELU: tl.constexpr, FP8: tl.constexpr):
     """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual (`res`, loaded
     early, or 0.0; with LOAD_RES loaded here, from res_ptr), ReLU; stored (in e4m3: scaled by 1 / the output's scale
-    and saturated first), and returned as stored. A large tile loads its residual here, after the bias is added: loaded before (in the
-    caller), it is live beside the accumulator and the bias, and a 128x128 tile needs 132 registers instead of 128,
-    one program per SM instead of two."""
+    and saturated first), and returned as stored. A large tile loads its residual here, after the bias is added:
+    loaded before (in the caller), it is live beside the accumulator and the bias, and a 128x128 tile needs 132
+    registers instead of 128, one program per SM instead of two."""
     if FP8:
         acc = acc * scale[None, :]
     acc += bias[None, :]

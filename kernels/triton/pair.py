@@ -16,6 +16,10 @@ one program of 8 warps per SM) 316 against 195. A block's first, its downsample 
 but layer2.0, whose 256 input channels each slice of conv3 reads again, 434 against 355. So the pair runs by
 default (`pays`) where conv2 has at most 128 channels, the block's input (if conv3 reads it) no more, and the batch
 gives every SM a tile (not at batch 1).
+
+Chained (`chain`, C3 > 0), the pair also runs the next block's conv1 (a 1x1) on its output: each slice, as
+stored, is multiplied by that conv1's weights too, so conv1 never reads the block's output back. It paid only into
+a 64-channel conv1 after a pair without a downsample (`chain_pays`).
 """
 from __future__ import annotations
 
@@ -43,8 +47,9 @@ CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_K": 64, "BLOCK_N2": bn2}, num_st
 
 def _prune(configs, args, **_):
     """Configurations whose fp32 tiles (conv2's BLOCK_M x C; conv3's BLOCK_M x BLOCK_N2 beside the next conv1's
-    BLOCK_M x C3) hold at most 64 values a thread, and whose shared memory fits: conv2's pipeline, two of conv3's weight slices and, chained, two of the
-    next conv1's and the slice it reads (ptxas agrees within 25% on the H100's tiles); K tiles halved for 4-byte types, as conv.py's."""
+    BLOCK_M x C3) hold at most 64 values a thread, and whose shared memory fits: conv2's pipeline, two of conv3's
+    weight slices and, chained, two of the next conv1's and the slice it reads (ptxas agrees within 25% on the
+    H100's tiles); K tiles halved for 4-byte types, as conv.py's."""
     elem, c, m, cout2, c3 = (args["x_ptr"].element_size(), args["COUT"], args["M"], args["COUT2"],
                              args.get("C3", 0))
     kept = []
