@@ -301,7 +301,9 @@ def test_bottleneck(downsample):
         ref = block(x)
     convs, shortcut = pack_block(block, torch.float32, "cpu")
     assert shortcut is None and convs[-1].shortcut_stride == (stride if downsample else 0)  # fused in, if any
-    close(nchw(run_block(nhwc(x), (convs, shortcut))), ref)
+    out, following = run_block(nhwc(x), (convs, shortcut))
+    close(nchw(out), ref)
+    assert following is None  # no chain asked for
 
 
 # resnet50 with its conv2 + conv3 pairs (pairs=on, chain=on; by default the fp32 cells run them apart): thirteen
