@@ -446,6 +446,10 @@ class PackedConv:
     space_to_depth: SpaceToDepth | None = None  # the kernel reads space_to_depth(x): the stem
     shortcut_stride: int = 0  # the block's downsample fused in (fuse_shortcut), at this stride; 0: none
 
+    def output_size(self, h: int, w: int) -> tuple[int, int]:
+        """The output's height and width over an input of h x w (as the kernel reads it)."""
+        return (h + 2 * self.pad - self.kh) // self.stride + 1, (w + 2 * self.pad - self.kw) // self.stride + 1
+
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
@@ -519,7 +523,7 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
         x = space_to_depth(x, p.space_to_depth, tune, pdl)
     n, h, w, cin = x.shape
     cout = p.cout
-    oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
+    oh, ow = p.output_size(h, w)
     y = torch.empty((n, oh, ow, cout), device=x.device, dtype=p.output_dtype or x.dtype)
     m = n * oh * ow
 

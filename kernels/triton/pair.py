@@ -166,7 +166,7 @@ def pays(x: torch.Tensor, p: PackedConv, tail: PackedConv) -> bool:
     a tile, at most PAIR_MAX_CHANNELS, in the 16- and 8-bit cells, the ones measured; with a downsample fused into
     `tail`, only where the block's input has no more channels than `p`: each slice of conv3 reads them again."""
     n, h, w, c = x.shape
-    oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
+    oh, ow = p.output_size(h, w)
     return (n * oh * ow >= PAIR_MIN_PIXELS and p.cout <= PAIR_MAX_CHANNELS and x.element_size() <= 2
             and (not tail.shortcut_stride or c <= p.cout))
 
@@ -204,7 +204,7 @@ def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.
         raise ValueError("conv_pair takes the block's input as `shortcut` where a downsample is fused into its 1x1, "
                          "else a `residual`")
     n, h, w, cin = x.shape
-    oh, ow = (h + 2 * p.pad - p.kh) // p.stride + 1, (w + 2 * p.pad - p.kw) // p.stride + 1
+    oh, ow = p.output_size(h, w)
     m, cout2 = n * oh * ow, tail.cout
     y = torch.empty((n, oh, ow, cout2), device=x.device, dtype=tail.output_dtype or x.dtype)
     y3 = (torch.empty((n, oh, ow, chain.cout), device=x.device, dtype=chain.output_dtype or y.dtype)
