@@ -24,8 +24,9 @@ HEAD = ("avgpool", "fc")
 
 
 def group_of(path: str) -> str:
-    """The layer group of a module path: 'stem', a stage ('layer3'), 'head', or the path's first part."""
-    first = path.split(".", 1)[0]
+    """The layer group of a module path: 'stem', a stage ('layer3'), 'head', or the path's first part. A kernel
+    that runs several modules is named by their paths joined with '+' ('conv1+maxpool'): the first one's group."""
+    first = path.split("+", 1)[0].split(".", 1)[0]
     return "stem" if first in STEM else "head" if first in HEAD else first
 
 

@@ -16,6 +16,7 @@ from core.model import build_model  # noqa: E402
 from kernels.triton.conv import _fixed, _split_buffers, conv2d, fuse_shortcut, pack_conv  # noqa: E402
 from kernels.triton.pair import chain_pays, chainable, conv_pair, pays  # noqa: E402
 from kernels.triton.pool import global_avg_pool, max_pool2d  # noqa: E402
+from kernels.triton.stem import pack_stem, stem  # noqa: E402
 from kernels.triton.resnet import pack_block, run_block  # noqa: E402
 from core.cell import Cell, Store  # noqa: E402
 from tiers.triton import TIER  # noqa: E402
@@ -78,14 +79,6 @@ def test_conv(n, cin, cout, h, w, k, stride, pad, residual, relu):
                  nhwc(res) if residual else None, relu)
     assert out.dtype == torch.float8_e4m3fn
     close(nchw(out.float() * (out_amax / 448)), ref, tol=0.25)
-    # the stem's packing: the equal stride-1 convolution over the input's 2x2 pixel tiles, where one exists
-    if stride == 2 and cin <= 4:
-        out = conv2d(nhwc(x), pack_conv(weight, stride, pad, bias=bias, space_to_depth=True),
-                     nhwc(res) if residual else None, relu)
-        close(nchw(out), ref)
-    else:
-        with pytest.raises(ValueError, match="space-to-depth packs a square stride-2 convolution"):
-            pack_conv(weight, stride, pad, bias=bias, space_to_depth=True)
 
 
 # (batch, the convolution's cin, kernel and padding (stride 1), the shortcut's cin and stride, cout, output h, w)
@@ -143,7 +136,7 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
         ref = model(x)
         net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=input_amax(model, x))
         assert all(p.fp8 and p.kmajor for convs, down in net.blocks for p in convs + ([down] if down else []))
-        assert not net.stem.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
+        assert not net.stem.conv.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
         # e4m3 between a block's convolutions; the block's output (and the downsample's) in the activations' type
         assert all([p.output_dtype for p in convs] == [torch.float8_e4m3fn, torch.float32] for convs, _ in net.blocks)
         assert all(down.output_dtype == torch.float32 for _, down in net.blocks if down)
@@ -165,10 +158,11 @@ def test_micro_checks_each_fp8_layer_as_the_fp8_cell_runs_it_and_a_wrong_scale_f
     layers = {layer.path: layer for layer in distinct_layers("resnet50", 32)}
     for path in ("conv1", "layer1.0.conv2", "layer1.0.conv3", "layer2.0.downsample.0"):
         case = LayerCase(layers[path], 2, "fp8", True, "cpu", activations=torch.float32)
-        assert case.kernel == ("float32" if path == "conv1" else "e4m3") and case.packed.fp8 == (path != "conv1")
+        conv = case.packed.conv if path == "conv1" else case.packed  # (the stem's packing holds its convolution)
+        assert case.kernel == ("float32" if path == "conv1" else "e4m3") and conv.fp8 == (path != "conv1")
         # as in the cell, a bottleneck's conv2 reads and writes e4m3, its conv3 reads it and writes fp32 here
         assert case.ours.args[0].dtype == (torch.float8_e4m3fn if path.endswith(("conv2", "conv3")) else torch.float32)
-        assert (case.packed.output_dtype == torch.float8_e4m3fn) == path.endswith("conv2")
+        assert (conv.output_dtype == torch.float8_e4m3fn) == path.endswith("conv2")
         # seen: 0.06-0.08, and 0.16 for conv2, whose e4m3 output adds the rounding its consumer's input would have
         assert case.parity["ok"] and case.parity["rel_err"] < 0.2, (path, case.parity)
     case.packed.scale.mul_(3)
@@ -263,6 +257,29 @@ def test_linear():
     close(out.view(3, 29), F.linear(x, fc.weight, fc.bias).detach())
 
 
+# The interpreter's untuned configuration (two rows a tile, 16 cells wide, bands of 7 rows) and the GPU's (one row
+# a tile, of one channel group): at 64 pixels a side, 16 x 16 pool outputs, each row in two tiles, each image in
+# three bands.
+STEM_TILINGS = [None, dict(ROWS=1, BLOCK_W=16, BLOCK_C=32, BAND_TILES=5, BLOCK_K=32, num_warps=4, num_stages=2)]
+
+
+@pytest.mark.parametrize("fused,untuned", [(True, STEM_TILINGS[0]), (True, STEM_TILINGS[1]), (False, None)])
+@pytest.mark.parametrize("h,w", [(64, 64), (30, 26)])  # 30 x 26: odd convolution outputs, a cell half outside
+def test_stem_with_its_max_pool(h, w, fused, untuned):
+    """The stem (convolution, batch-norm, ReLU) and its 3x3 max-pool, fused into one kernel or not, against
+    PyTorch's, in both weight layouts; the batch-norm folded; a convolution that is not the stem's refused."""
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), randomise_bn(torch.nn.BatchNorm2d(64))
+    x = torch.randn(2, 3, h, w)
+    with torch.no_grad():
+        ref = F.max_pool2d(F.relu(bn(conv(x))), 3, 2, 1)
+    for kmajor in (False, True):
+        packed = pack_stem(conv.weight, 2, 3, bn, dtype=torch.float32, kmajor=kmajor, fused=fused)
+        close(nchw(stem(nhwc(x), packed, tune=False, untuned=untuned)), ref)
+    with pytest.raises(ValueError, match="the stem packs a 7x7 stride-2 convolution"):
+        pack_stem(torch.randn(64, 3, 5, 5), 2, 2)
+
+
 def test_max_pool():
     x = torch.randn(3, 13, 9, 11)
     assert torch.equal(nchw(max_pool2d(nhwc(x))), F.max_pool2d(x, 3, 2, 1))
@@ -326,6 +343,7 @@ def test_tier_forward(model, channels_last, pairs):
     close(out, ref)
     assert out.argmax(1).equal(ref.argmax(1))
     assert built.stats["autotune"] == "interpreter"
-    # the stem's two launches, two pools, the classifier; each block's convolutions, the downsample fused in
+    # the stem's three launches in strict fp32 (tiles, convolution, max-pool), the average pool, the classifier;
+    # each block's convolutions, the downsample fused in
     blocks = {"resnet50": 16 * 3, "resnet18": 8 * 2}[model]
     assert built.stats["launches_per_forward"] == 5 + blocks - (13 + 6 if pairs == "on" else 0)

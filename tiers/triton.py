@@ -153,8 +153,8 @@ class TritonTier(PythonTier):
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
               baselines: bool = True) -> list[dict]:
         """Every distinct ResNet-50 layer at this batch/res (core.layers.distinct_layers) with its own epilogue
-        (ReLU; the residual added first for a block's last convolution; nothing after a downsample): our Triton
-        kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through F.conv2d (convolution + bias only: its
+        (ReLU; the residual added first for a block's last convolution; nothing after a downsample; the stem with its
+        max-pool, which our kernel fuses): our Triton kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through F.conv2d (convolution + bias only: its
         epilogue would be other kernels) vs Inductor (torch.compile, default mode, of the whole layer), each the
         median of triton.testing.do_bench; our kernel's output checked against the layer in fp32 (TF32 off) with
         the dtype's tolerance (LayerCase). In fp8 our kernel is the e4m3 one the fp8 cell runs (the stem stays
@@ -162,8 +162,6 @@ class TritonTier(PythonTier):
         `triton_bf16`, our bf16 kernel of the same layer: what e4m3 gains or loses on each layer. Without
         `baselines`, our kernel alone."""
         from triton.testing import do_bench  # Triton: only where it runs
-
-        from kernels.triton.conv import conv2d  # Triton: only where it runs
 
         rows = []
         for layer in distinct_layers("resnet50", res):
@@ -179,8 +177,7 @@ class TritonTier(PythonTier):
                 timed += [("cudnn", lambda: F.conv2d(case.x, case.weight, case.bias, layer.stride, layer.pad)),
                           ("inductor", lambda: inductor(case.x, case.weight, case.bias, case.residual))]
                 if dtype == "fp8":
-                    timed.append(("triton_bf16", lambda: conv2d(case.nhwc, case.packed_bf16,
-                                                                residual=case.residual_nhwc, relu=case.relu)))
+                    timed.append(("triton_bf16", partial(case.run, case.nhwc, case.packed_bf16)))
             for name, fn in timed:
                 fn()  # autotune / compile outside the timing
                 ms = do_bench(fn, return_mode="median")
@@ -193,19 +190,21 @@ class TritonTier(PythonTier):
 class LayerCase:
     """One distinct layer of the network as the micro times it: random inputs (NCHW view in the cell's layout,
     and the NHWC copy our kernel reads), the layer as the network runs it (`whole`), our packed kernel (`ours`),
-    and its parity against `whole` in fp32 (`check`). `activations`: their torch type, by default the dtype's (the
-    interpreter, which has no bf16 arithmetic, takes fp32)."""
+    and its parity against `whole` in fp32 (`check`). The stem (conv1) is run with its max-pool, as the network
+    runs it (kernels/triton/stem.py): its `whole` pools too. `activations`: their torch type, by default the
+    dtype's (the interpreter, which has no bf16 arithmetic, takes fp32)."""
 
     def __init__(self, layer, batch: int, dtype: str, channels_last: bool, device: str,
                  activations: torch.dtype | None = None) -> None:
         from kernels.triton.conv import E4M3_MAX, conv2d, pack_conv  # Triton: only where it runs
         from kernels.triton.resnet import block_conv_index  # as above
+        from kernels.triton.stem import pack_stem, stem, stem_fuses  # as above
 
         tdt, precision = activations or torch_dtype(dtype), _precision(dtype)
         fmt = memory_format(channels_last)
         cout, cin, k, _ = layer.weight
         (h, w), (ho, wo) = layer.size, layer.output_size()
-        self.layer, self.relu = layer, layer.epilogue != "none"
+        self.layer, self.relu, self.pooled = layer, layer.epilogue != "none", layer.path == "conv1"
         adds = "add" in layer.epilogue
         self.x = torch.randn(batch, cin, h, w, device=device, dtype=tdt).to(memory_format=fmt)
         self.weight = (torch.randn(cout, cin, k, k, device=device) * (2 / (cin * k * k)) ** 0.5).to(tdt).to(
@@ -219,11 +218,13 @@ class LayerCase:
         set_math_mode("fp32")
         self.reference = self.whole(self.x.float(), self.weight.float(), self.bias.float(),
                                     self.residual.float() if adds else None)
-        pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device,
-                       space_to_depth=layer.path == "conv1")  # as the network packs its stem
+        pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device)
+        if self.pooled:  # as the network packs its stem
+            pack = partial(pack_stem, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device,
+                           fused=stem_fuses(tdt, precision))
         # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there); as
         # there, a bottleneck's conv1 and conv2 store their output in e4m3, which its conv2 and conv3 read.
-        fp8 = dtype == "fp8" and layer.path != "conv1"
+        fp8 = dtype == "fp8" and not self.pooled
         index = block_conv_index(layer.path) if fp8 else 0
         amax = self.x.abs().max().item()
         self.packed = pack(input_amax=amax, output_amax=self.reference.abs().max().item() if index in (1, 2) else None
@@ -231,8 +232,9 @@ class LayerCase:
         ours_input = (self.nhwc.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn) if index > 1 else self.nhwc
         self.packed_bf16 = pack() if dtype == "fp8" else None
         self.kernel = "e4m3" if fp8 else str(tdt).removeprefix("torch.")
-        self.ours = partial(conv2d, ours_input, self.packed, residual=self.residual_nhwc, relu=self.relu,
-                            precision=precision)
+        self.run = (partial(stem, precision=precision) if self.pooled else
+                    partial(conv2d, residual=self.residual_nhwc, relu=self.relu, precision=precision))
+        self.ours = partial(self.run, ours_input, self.packed)
         self.parity = self.check()
 
     def check(self) -> dict:
@@ -240,7 +242,7 @@ class LayerCase:
         the dtype's tolerance; leaves the dtype's math mode set."""
         set_math_mode(self.dtype)
         out = self.ours().permute(0, 3, 1, 2).float()
-        if self.packed.output_inv is not None:
+        if not self.pooled and self.packed.output_inv is not None:  # (the stem writes the activations' type)
             out = out / self.packed.output_inv
         ref = self.reference
         rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -248,10 +250,11 @@ class LayerCase:
                 "reference": "the layer in fp32 (F.conv2d, its epilogue), TF32 off"}
 
     def whole(self, t, wt, b, r):
-        """The layer as the network runs it: convolution, the residual, ReLU."""
+        """The layer as the network runs it: convolution, the residual, ReLU; the stem's max-pool."""
         y = F.conv2d(t, wt, b, self.layer.stride, self.layer.pad)
         y = y + r if r is not None else y
-        return F.relu(y) if self.relu else y
+        y = F.relu(y) if self.relu else y
+        return F.max_pool2d(y, 3, 2, 1) if self.pooled else y
 
 
 TIER = TritonTier()

@@ -9,10 +9,7 @@ KW*CIN contiguous elements: the A loads stay contiguous (vectorised) for 1x1, 3x
 its 3 input channels wastes little of a K tile (rows of 21 elements instead of 3).
 A 1x1 convolution on a 1x1 image is a plain GEMM, so the classifier (FC + bias) runs on this kernel too.
 
-The stem (7x7, stride 2, over 3 channels) runs space-to-depth: each 2x2 tile of the padded input's pixels becomes one
-pixel of 12 channels (16 with zeros), and the convolution the equal 4x4 stride-1 one over that (the filter
-zero-extended to 8x8 and regrouped the same way; `space_to_depth_kernel`, one extra pass over the small input). Its
-window rows are then 64 aligned elements instead of 21 starting at any 6-byte offset.
+The stem (7x7, stride 2, over 3 channels, then its max-pool) has a kernel of its own: kernels/triton/stem.py.
 
 FP8 (e4m3, Hopper's tensor cores at twice the bf16 rate): the weights are stored in e4m3 with one scale per output
 channel (batch-norm folding gives each channel its own range). Activations have one calibrated scale per tensor. A
@@ -365,67 +362,6 @@ def conv2d_nhwc_kernel(
             _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
 
 
-@autotune([triton.Config({"BLOCK_PIXELS": 64}, num_warps=4), triton.Config({"BLOCK_PIXELS": 256}, num_warps=8)],
-          key=["PIXELS", "CIN"])
-@triton.jit
-def space_to_depth_kernel(x_ptr, z_ptr, PIXELS, H, W, ZH, ZW, CIN: tl.constexpr, CZ: tl.constexpr,
-                          PAD: tl.constexpr, BLOCK_PIXELS: tl.constexpr, GDC: tl.constexpr = False):
-    # z[n, i, j, (u * 2 + v) * CIN + c] = x[n, 2i + u - PAD, 2j + v - PAD, c]; zero outside x and past 4 * CIN.
-    # A tile of BLOCK_PIXELS z pixels x CZ channels: the divisions once per pixel, the tap once per channel, and
-    # each pixel's CZ channels stored as one contiguous run.
-    wait_for_prior_kernel(GDC)
-    pixel = tl.program_id(0) * BLOCK_PIXELS + tl.arange(0, BLOCK_PIXELS)
-    j = pixel % ZW
-    i = (pixel // ZW) % ZH
-    img = pixel // (ZW * ZH)
-    ch = tl.arange(0, CZ)
-    tap = ch // CIN
-    ih = 2 * i[:, None] + (tap // 2)[None, :] - PAD
-    iw = 2 * j[:, None] + (tap % 2)[None, :] - PAD
-    ok = (pixel < PIXELS)[:, None] & (tap < 4)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-    v = tl.load(x_ptr + ((img[:, None] * H + ih) * W + iw) * CIN + (ch % CIN)[None, :], mask=ok, other=0.0)
-    tl.store(z_ptr + pixel[:, None] * CZ + ch[None, :], v, mask=(pixel < PIXELS)[:, None])
-
-
-SPACE_TO_DEPTH_CHANNELS = 16  # a 2x2 tile of 3 channels, zero-padded: 32-byte (16-bit) or 64-byte pixels
-
-
-@dataclass
-class SpaceToDepth:
-    """The stride-2 convolution a space-to-depth packing stands for: its padding and window."""
-
-    pad: int
-    window: int
-
-
-def space_to_depth(x: torch.Tensor, s: SpaceToDepth, tune: bool = True, pdl: bool = False) -> torch.Tensor:
-    """NHWC `x` [N, H, W, C] -> [N, ZH, ZW, 16], ZH the stride-2 convolution's output height plus its 4x4 window's
-    3, so that the 4x4 stride-1 convolution over it has the same output."""
-    n, h, w, c = x.shape
-    taps = (s.window + 1) // 2
-    zh, zw = (h + 2 * s.pad - s.window) // 2 + taps, (w + 2 * s.pad - s.window) // 2 + taps
-    z = torch.empty((n, zh, zw, SPACE_TO_DEPTH_CHANNELS), device=x.device, dtype=x.dtype)
-    pixels = n * zh * zw
-
-    def grid(meta):
-        return (triton.cdiv(pixels, meta["BLOCK_PIXELS"]),)
-
-    launch(space_to_depth_kernel, grid, (x, z, pixels, h, w, zh, zw, c, SPACE_TO_DEPTH_CHANNELS, s.pad), tune,
-           dict(BLOCK_PIXELS=64, num_warps=4, num_stages=2), pdl)
-    return z
-
-
-def space_to_depth_filter(w: torch.Tensor) -> torch.Tensor:
-    """A stride-2 filter [COUT, C, R, R] as the filter of the same convolution over space_to_depth's input:
-    [COUT, 16, (R+1)//2, (R+1)//2], tap (a, b) of channel (u * 2 + v) * C + c being tap (2a + u, 2b + v) of
-    channel c, zero past the R x R window and in the padding channels."""
-    cout, cin, r, _ = w.shape
-    taps = (r + 1) // 2
-    w = torch.nn.functional.pad(w, (0, 2 * taps - r, 0, 2 * taps - r))
-    w = w.view(cout, cin, taps, 2, taps, 2).permute(0, 3, 5, 1, 2, 4).reshape(cout, 4 * cin, taps, taps)
-    return torch.nn.functional.pad(w, (0, 0, 0, 0, 0, SPACE_TO_DEPTH_CHANNELS - 4 * cin))
-
-
 @dataclass
 class PackedConv:
     """A convolution with its batch-norm folded in, laid out for the kernel."""
@@ -443,7 +379,6 @@ class PackedConv:
     input_inv: float = 1.0  # FP8: 1 / the input's calibrated scale
     output_inv: float | None = None  # FP8: 1 / the output's calibrated scale, where it is stored in e4m3
     output_dtype: torch.dtype | None = None  # FP8: e4m3 or the network's activations' type; else None: the input's
-    space_to_depth: SpaceToDepth | None = None  # the kernel reads space_to_depth(x): the stem
     shortcut_stride: int = 0  # the block's downsample fused in (fuse_shortcut), at this stride; 0: none
 
     def output_size(self, h: int, w: int) -> tuple[int, int]:
@@ -454,15 +389,9 @@ class PackedConv:
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 
-def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu", kmajor=False,
-              input_amax: float | None = None, space_to_depth: bool = False,
-              output_amax: float | None = None) -> PackedConv:
-    """Fold an eval-mode BatchNorm2d (`bn`) into the convolution's [COUT, CIN, KH, KW] `weight` and `bias`:
-    bn(conv(x)) = conv(x; weight * s) + (bias - mean) * s + beta, with s = gamma / sqrt(var + eps). Folded in fp64,
-    rounded once to `dtype`; with `input_amax` (the largest |input| the calibration saw), to e4m3 with one scale for
-    the weights and one for the input, K-major, and with `output_amax` too (the largest |output|), writing its
-    output in e4m3. `space_to_depth` (a stride-2 convolution of at most 4 input
-    channels): packed as the 4x4 stride-1 convolution over space_to_depth's input."""
+def fold_batch_norm(weight, bn=None, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eval-mode BatchNorm2d (`bn`) folded into the convolution's [COUT, CIN, KH, KW] `weight` and `bias`, in
+    fp64 on the host: bn(conv(x)) = conv(x; weight * s) + (bias - mean) * s + beta, with s = gamma / sqrt(var + eps)."""
     def f64(t):  # folding happens on the host, wherever the model lives
         return t.detach().to("cpu", torch.float64)
 
@@ -472,13 +401,15 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         s = f64(bn.weight) / torch.sqrt(f64(bn.running_var) + bn.eps)
         w = w * s[:, None, None, None]
         b = (b - f64(bn.running_mean)) * s + f64(bn.bias)
-    s2d = None
-    if space_to_depth:
-        if stride != 2 or w.shape[1] * 4 > SPACE_TO_DEPTH_CHANNELS or w.shape[2] != w.shape[3]:
-            raise ValueError(f"space-to-depth packs a square stride-2 convolution of at most 4 input channels, not "
-                             f"{tuple(w.shape)} with stride {stride}")
-        s2d = SpaceToDepth(pad, w.shape[2])
-        w, stride, pad = space_to_depth_filter(w), 1, 0
+    return w, b
+
+
+def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu", kmajor=False,
+              input_amax: float | None = None, output_amax: float | None = None) -> PackedConv:
+    """Fold an eval-mode BatchNorm2d (`bn`) into the convolution (fold_batch_norm) and round it once to `dtype`;
+    with `input_amax` (the largest |input| the calibration saw), to e4m3 with one scale for the weights and one for
+    the input, K-major, and with `output_amax` too (the largest |output|), writing its output in e4m3."""
+    w, b = fold_batch_norm(weight, bn, bias)
     cout, cin, kh, kw = w.shape
     packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
     bias32 = b.to(device, torch.float32).contiguous()
@@ -488,13 +419,12 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         input_scale = max(input_amax, 1e-30) / E4M3_MAX
         return PackedConv(e4m3.to(device).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=True, fp8=True,
                           scale=(w_scale * input_scale).to(device, torch.float32).contiguous(),
-                          input_inv=1 / input_scale, space_to_depth=s2d,
+                          input_inv=1 / input_scale,
                           output_inv=E4M3_MAX / max(output_amax, 1e-30) if output_amax is not None else None,
                           output_dtype=torch.float8_e4m3fn if output_amax is not None else dtype)
     if kmajor:
         packed = packed.t()
-    return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=kmajor,
-                      space_to_depth=s2d)
+    return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=kmajor)
 
 
 def fuse_shortcut(last: PackedConv, down: PackedConv) -> PackedConv:
@@ -519,8 +449,6 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
     if bool(p.shortcut_stride) != (shortcut is not None) or (shortcut is not None and residual is not None):
         raise ValueError("a convolution with its downsample fused in takes the block's input as `shortcut` (and no "
                          "residual); any other takes no shortcut")
-    if p.space_to_depth:
-        x = space_to_depth(x, p.space_to_depth, tune, pdl)
     n, h, w, cin = x.shape
     cout = p.cout
     oh, ow = p.output_size(h, w)

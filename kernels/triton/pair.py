@@ -157,7 +157,7 @@ def pairable(p: PackedConv, tail: PackedConv) -> bool:
     fused in or not), `p` a plain convolution whose channels fit one tile row (a power of two, 16 to 256), both
     packed alike."""
     return ((tail.kh, tail.kw, tail.stride, tail.pad) == (1, 1, 1, 0)
-            and 16 <= p.cout <= 256 and p.cout & (p.cout - 1) == 0 and not p.space_to_depth
+            and 16 <= p.cout <= 256 and p.cout & (p.cout - 1) == 0
             and not p.shortcut_stride and p.kmajor == tail.kmajor and p.fp8 == tail.fp8)
 
 
@@ -174,7 +174,7 @@ def pays(x: torch.Tensor, p: PackedConv, tail: PackedConv) -> bool:
 def chainable(tail: PackedConv, nxt: PackedConv) -> bool:
     """Whether the pair ending in `tail` can also run `nxt`, the next block's conv1, on its output: a 1x1 stride-1
     convolution of 16 to 128 channels (a power of two: one tile row beside conv3's), packed alike."""
-    return ((nxt.kh, nxt.kw, nxt.stride, nxt.pad, nxt.shortcut_stride) == (1, 1, 1, 0, 0) and not nxt.space_to_depth
+    return ((nxt.kh, nxt.kw, nxt.stride, nxt.pad, nxt.shortcut_stride) == (1, 1, 1, 0, 0)
             and 16 <= nxt.cout <= 128 and nxt.cout & (nxt.cout - 1) == 0 and nxt.kmajor == tail.kmajor
             and nxt.fp8 == tail.fp8)
 

@@ -1,4 +1,5 @@
-"""Pooling over NHWC tensors: the stem's 3x3/s2 max-pool and the head's global average pool.
+"""Pooling over NHWC tensors: the stem's 3x3/s2 max-pool (where the stem does not fuse it, stem.py) and the head's
+global average pool.
 
 Both are memory-bound: a program owns a tile of (pixels x channels), channels innermost so loads are contiguous.
 """

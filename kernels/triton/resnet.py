@@ -11,13 +11,14 @@ import torch
 from kernels.triton import plan
 from kernels.triton.conv import PackedConv, conv2d, fuse_shortcut, pack_conv
 from kernels.triton.pair import chain_pays, chainable, conv_pair, pairable, pays
-from kernels.triton.pool import global_avg_pool, max_pool2d
+from kernels.triton.pool import global_avg_pool
+from kernels.triton.stem import pack_stem, stem, stem_fuses
 
 
-def _pack(conv: torch.nn.Conv2d, bn, dtype, device, **packing) -> PackedConv:
+def _pack(conv: torch.nn.Conv2d, bn, dtype, device, pack=pack_conv, **packing):
     if conv.groups != 1 or conv.dilation != (1, 1) or conv.stride[0] != conv.stride[1]:
         raise ValueError(f"unsupported convolution {conv} (grouped, dilated or anisotropic)")
-    return pack_conv(conv.weight, conv.stride[0], conv.padding[0], bn, conv.bias, dtype, device, **packing)
+    return pack(conv.weight, conv.stride[0], conv.padding[0], bn, conv.bias, dtype, device, **packing)
 
 
 def pack_block(block: torch.nn.Module, dtype, device, packing=lambda name: {}, prefix: str = ""):
@@ -98,7 +99,7 @@ class TritonResNet:
         self.conv = partial(conv2d, precision=precision, tune=tune, pdl=pdl)
         self.pair = partial(conv_pair, precision=precision, tune=tune, pdl=pdl)
         self.pairs, self.chains = pairs, chains
-        self.max_pool = partial(max_pool2d, tune=tune, pdl=pdl)
+        self.stem_pool = partial(stem, precision=precision, tune=tune, pdl=pdl)
         self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl)
         kmajor = dtype == torch.float32 and precision == "tf32"
 
@@ -110,7 +111,9 @@ class TritonResNet:
             i = block_conv_index(path)
             return {"input_amax": fp8_amax[path], "output_amax": fp8_amax.get(f"{path[:-1]}{i + 1}") if i else None}
 
-        self.stem = _pack(model.conv1, model.bn1, dtype, device, kmajor=kmajor, space_to_depth=True)
+        # with its max-pool fused in, except in strict fp32, whose FMAs would pay the fused layout's multiplies
+        self.stem = _pack(model.conv1, model.bn1, dtype, device, pack_stem, kmajor=kmajor,
+                          fused=stem_fuses(dtype, precision))
         blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
                                                                     model.layer4)) for j in range(len(layer))]
         self.blocks = [pack_block(block, dtype, device, packing, f"{name}.") for name, block in zip(
@@ -120,7 +123,7 @@ class TritonResNet:
         # planned: each input shape's forward recorded once, then replayed (kernels/triton/plan.py)
         self.planned, self.plans, self.scoped = planned, {}, False
         # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.
-        self.paths = {id(self.stem): "conv1", id(self.fc): "fc"}
+        self.paths = {id(self.fc): "fc"}
         for name, (convs, down) in zip(blocks, self.blocks):
             self.paths.update({id(p): f"{name}.conv{i + 1}" + ("+downsample.0" if p.shortcut_stride else "")
                                for i, p in enumerate(convs)})
@@ -140,7 +143,7 @@ class TritonResNet:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The network on NHWC `x`, each launch through Triton's own launch path."""
-        x = self.max_pool(self.conv(x, self.stem))
+        x = self.stem_pool(x, self.stem)
         ahead = None  # this block's conv1 output, where the block before computed it
         for i, packed in enumerate(self.blocks):
             paired = self.paired(x, packed)
@@ -173,15 +176,15 @@ class TritonResNet:
                     return fn(*args, **kwargs)
             return call
 
-        plain = self.conv, self.pair, self.max_pool, self.avg_pool
+        plain = self.conv, self.pair, self.stem_pool, self.avg_pool
         self.scoped = True
         self.conv = named(self.conv, lambda x, p, **_: self.paths[id(p)])
         self.pair = named(self.pair, lambda x, p, tail, chain=None, **_: "+".join(
             self.paths[id(c)] for c in (p, tail, chain) if c is not None))
-        self.max_pool = named(self.max_pool, lambda x: "maxpool")
+        self.stem_pool = named(self.stem_pool, lambda x, p: "conv1+maxpool")
         self.avg_pool = named(self.avg_pool, lambda x: "avgpool")
         try:
             yield
         finally:
-            self.conv, self.pair, self.max_pool, self.avg_pool = plain
+            self.conv, self.pair, self.stem_pool, self.avg_pool = plain
             self.scoped = False
