@@ -2,12 +2,14 @@
 convolution kernel whose epilogue pools: the convolution's output, four times the pool's, never reaches HBM.
 
 Two layouts make the 7x7 convolution a wide GEMM (cuDNN's tiled stem, cpp/cudnn/src/net.cpp, uses the same):
-- the input in tiles of 4x4 pixels, 48 channels each (`space_to_depth`, one pass over the small input);
-- the output in cells of 2x2 pixels, 256 channels each: (u, v, c) for the pixel (2i + u, 2j + v) of cell (i, j).
+- the input in tiles of 4x4 pixels, 48 channels each (`space_to_depth`, one pass over the small input, which also
+  writes a tile of zeros around the image: the padding, so the kernel's loads need no mask);
+- the output in cells of 2x2 pixels, 256 channels each: channel c of the pixel (2i + u, 2j + v) of cell (i, j).
 Cell (i, j) reads input rows 4i - 3 .. 4i + 5, all inside tiles i - 1 .. i + 1: the stem is a 3x3 stride-1
-convolution (padding 1) over the tiles, 256 channels wide (`tiled_filter`: each (u, v) block of the filter is the
-7x7 one placed at offset (2u + 1, 2v + 1) in a 12x12 window). Its A tiles are read once per 256 outputs, not once
-per 64 as in a plain implicit GEMM of the 7x7, which made that one L2-bound.
+convolution over the tiles, 256 channels wide (`tiled_filter`: each (u, v) block of the filter is the 7x7 one
+placed at offset (2u + 1, 2v + 1) in a 12x12 window). Each A tile serves 256 outputs, not 64 as in a plain implicit
+GEMM of the 7x7, whose A loads made it L2-bound; each K step now reloads the weights' tile instead, for 64 cells
+(docs/notes/handwritten-toward-the-limit.md: what limits it on the H100).
 
 The pool in cells: pool output (i, j) is the max over convolution rows 2i - 1 .. 2i + 1 and columns 2j - 1 .. 2j + 1,
 that is cell (i, j) whole, the right column (v = 1) of cell (i, j - 1), and convolution row 2i - 1 over columns
@@ -124,7 +126,9 @@ def stem_pool_kernel(
     shift_up = tl.broadcast_to(tl.maximum(offs - BLOCK_W, 0)[:, None], (BLOCK_M, BLOCK_C))
     from_carry = tl.broadcast_to(t[:, None], (BLOCK_M, BLOCK_C))
     last_row = tl.broadcast_to(((ROWS - 1) * BLOCK_W + tl.arange(0, BLOCK_W))[:, None], (BLOCK_W, BLOCK_C))
-    # the row above the band's first: convolution row 2i - 1 over columns 2j - 1 .. 2j + 1, by column
+    # `carry`: for the tile's first row i, convolution row 2i - 1 over columns 2j - 1 .. 2j + 1, by column. Zero
+    # before the first tile: the padding above the image in the first band; in the others, the first tile's row is
+    # the band's extra row, computed but not emitted.
     carry = tl.zeros((BLOCK_W, BLOCK_C), dtype=out_ty)
     for tile in range(BAND_TILES):
         i = first_row - 1 + tile * ROWS + r
