@@ -137,6 +137,7 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
         net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=input_amax(model, x))
         assert all(p.fp8 and p.kmajor for convs, down in net.blocks for p in convs + ([down] if down else []))
         assert not net.stem.conv.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
+        assert net.stem.fused  # its max-pool fused in wherever tensor cores multiply (TF32 here)
         # e4m3 between a block's convolutions; the block's output (and the downsample's) in the activations' type
         assert all([p.output_dtype for p in convs] == [torch.float8_e4m3fn, torch.float32] for convs, _ in net.blocks)
         assert all(down.output_dtype == torch.float32 for _, down in net.blocks if down)
