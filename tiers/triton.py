@@ -154,9 +154,10 @@ class TritonTier(PythonTier):
               baselines: bool = True) -> list[dict]:
         """Every distinct ResNet-50 layer at this batch/res (core.layers.distinct_layers) with its own epilogue
         (ReLU; the residual added first for a block's last convolution; nothing after a downsample; the stem with its
-        max-pool, which our kernel fuses): our Triton kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through F.conv2d (convolution + bias only: its
-        epilogue would be other kernels) vs Inductor (torch.compile, default mode, of the whole layer), each the
-        median of triton.testing.do_bench; our kernel's output checked against the layer in fp32 (TF32 off) with
+        max-pool, which our kernel fuses): our Triton kernel (NHWC, autotuned, the epilogue fused) vs cuDNN through
+        F.conv2d (convolution + bias only: its epilogue would be other kernels) vs Inductor (torch.compile, default
+        mode, of the whole layer), each the median of triton.testing.do_bench; our kernel's output checked against
+        the layer in fp32 (TF32 off) with
         the dtype's tolerance (LayerCase). In fp8 our kernel is the e4m3 one the fp8 cell runs (the stem stays
         bf16, as there); cuDNN and Inductor, which have no fp8 convolution here, run bf16, and so does
         `triton_bf16`, our bf16 kernel of the same layer: what e4m3 gains or loses on each layer. Without
@@ -218,10 +219,9 @@ class LayerCase:
         set_math_mode("fp32")
         self.reference = self.whole(self.x.float(), self.weight.float(), self.bias.float(),
                                     self.residual.float() if adds else None)
-        pack = partial(pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device)
-        if self.pooled:  # as the network packs its stem
-            pack = partial(pack_stem, self.weight, layer.stride, layer.pad, bias=self.bias, dtype=tdt, device=device,
-                           fused=stem_fuses(tdt, precision))
+        pack = partial(pack_stem if self.pooled else pack_conv, self.weight, layer.stride, layer.pad, bias=self.bias,
+                       dtype=tdt, device=device,  # the stem packed as the network packs it
+                       **({"fused": stem_fuses(tdt, precision)} if self.pooled else {}))
         # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there); as
         # there, a bottleneck's conv1 and conv2 store their output in e4m3, which its conv2 and conv3 read.
         fp8 = dtype == "fp8" and not self.pooled
