@@ -13,7 +13,9 @@ memory plan for every activation, gradient and convolution workspace; the whole 
 --cuda-graph.
 
 The binary also takes `--option autotune=K` (engine configurations timed per distinct convolution, default 8) and
-`--option workspace-mb=M` (the most workspace one candidate may use, default 2048)."""
+`--option workspace-mb=M` (the most workspace one candidate may use, default 2048). Under --cuda-graph it ranks the
+candidates by their GPU time in graph replays rather than by one call's latency, which at batch 1 is mostly the
+host's work before the kernel; those choices are kept apart in the engine tables (keys with "graph")."""
 from __future__ import annotations
 
 import functools

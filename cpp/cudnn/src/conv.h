@@ -96,8 +96,16 @@ struct ConvSpec {
   std::string key() const;  // what an engine choice depends on besides the GPU, dtype and layout
 };
 
+// How a convolution's engine configuration is searched.
+struct EngineSearch {
+  int candidates;  // configurations timed from each heuristic list
+  // For a network captured in a CUDA graph: configurations are ranked by their GPU time in graph replays (graph_ms)
+  // instead of one call's latency, which counts the host's work before the kernel; their choices are kept apart.
+  bool graph;
+};
+
 std::shared_ptr<ConvPlan> tune_conv(cudnnHandle_t handle, const ConvSpec& spec, const ConvIO& io,
-                                    TuningWorkspace& ws, int candidates, cudaStream_t stream);
+                                    TuningWorkspace& ws, const EngineSearch& search, cudaStream_t stream);
 
 // An engine choice as an engine table keeps it (one line: key, fused, heuristic mode, position in its list).
 struct EngineChoice {
@@ -113,7 +121,7 @@ std::shared_ptr<ConvPlan> plan_from_choice(cudnnHandle_t handle, const ConvSpec&
 struct EngineOptions {
   const Precision* precision;
   bool nhwc;
-  int candidates;          // engine configurations timed per distinct convolution
+  EngineSearch search;
   size_t workspace_limit;  // the most workspace one candidate may ask for
   std::vector<std::string> tables;  // engine choices to reuse (shipped for this GPU, the run's own), read in order
   std::string table_out;            // where choices tuned here are appended ("" = nowhere)

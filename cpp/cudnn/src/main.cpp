@@ -24,7 +24,7 @@ rung::NetOptions options(const ladder::Args& a) {
   // At batch 256 strict fp32's fast engines need about 1 GiB of workspace: training's data gradients (under 512 MiB
   // only one 100x slower engine was left) and inference's convolutions (H100, retuned: 79.9 ms a forward under
   // 512 MiB, 71.9 ms under 2 GiB). The workspace actually kept is the most the chosen engines need.
-  return {a.i("batch"), a.i("res"), p, nhwc, std::stoi(a.option("autotune", "8")),
+  return {a.i("batch"), a.i("res"), p, nhwc, {std::stoi(a.option("autotune", "8")), a.flag("cuda-graph")},
           std::stoull(a.option("workspace-mb", "2048")) << 20, tables, own};
 }
 

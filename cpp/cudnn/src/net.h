@@ -67,12 +67,12 @@ struct NetOptions {
   int batch, res;
   Precision precision;
   bool nhwc;              // activations NHWC (always for fp16/bf16) or NCHW
-  int candidates;         // engine configurations timed per distinct convolution
+  EngineSearch search;    // how each distinct convolution's engine configuration is searched
   size_t workspace_limit; // the most workspace one candidate may ask for
   std::vector<std::string> engine_tables;  // engine choices to reuse (shipped for this GPU, the run's own), read
   std::string engine_table_out;            // where choices tuned here are appended ("" = nowhere)
   EngineOptions engine() const {
-    return {&precision, nhwc, candidates, workspace_limit, engine_tables, engine_table_out};
+    return {&precision, nhwc, search, workspace_limit, engine_tables, engine_table_out};
   }
 };
 
