@@ -82,7 +82,8 @@ struct ConvPlan {
   int64_t workspace = 0;
   int tried = 0;               // candidates timed (0: the choice came from an engine table)
   int heur_mode = 0, heur_index = -1;  // where the choice sits: heuristic list (0 mode A, 1 fallback, 2 mode B), position in it
-  double tuned_ms = 0;         // its median time while tuning (unfused: with our epilogue kernel); -1 from a table
+  double tuned_ms = 0;         // its median time while tuning (unfused: with our epilogue kernel; under a graph: GPU
+                               // time a call in graph replays); -1 from a table
   double fused_ms = -1, unfused_ms = -1;  // the best of each variant; -1: no engine runs that variant
   ladder::Json stats() const;
 };
