@@ -313,6 +313,10 @@ Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* work
 
 // A call longer than this is GPU time: the host's part of one (tens of microseconds) is no part of a ranking.
 constexpr double kHostBoundMs = 1.0;
+// Under a graph, each replay holds about kReplayMs of calls, at most kReplayCalls: many at batch 1, one where a call
+// is long.
+constexpr double kReplayMs = 0.2;
+constexpr int kReplayCalls = 20;
 
 // The heuristic lists searched, by the index an engine table records (0 and 1 first: tables written before mode B
 // was searched stay valid).
@@ -377,8 +381,8 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       // the build minutes long).
       double ms = median_ms(stream, call, 1, 0);
       if (!best->plan || ms < 2 * best->tuned_ms || ms <= kHostBoundMs) {
-        // Under a graph, about 0.2 ms of calls a replay: many at batch 1, one where a call is long.
-        ms = search.graph ? graph_ms(stream, call, std::clamp(int(0.2 / ms), 1, 20), 5) : median_ms(stream, call, 5, 0);
+        const int calls = ms * kReplayCalls > kReplayMs ? std::max(1, int(kReplayMs / ms)) : kReplayCalls;
+        ms = search.graph ? graph_ms(stream, call, calls, 5) : median_ms(stream, call, 5, 0);
         if (ms < 0) continue;  // not capturable: no use to a captured network
       }
       ++best->tried;
