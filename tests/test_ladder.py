@@ -83,7 +83,7 @@ def test_markdown_report(python_rungs):
 
 def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
     proc = ladder(tmp_path, "--tiers", "test-segfault,test-raises,test-hangs,test-wrong,eager", "--batch", "1",
-                  "--res", "32", "--timeout", "60", extra_tiers=True)
+                  "--res", "32", "--timeout", "25", extra_tiers=True)  # the hang costs the timeout: kept short
     assert proc.returncode == 0, proc.stderr[-2000:]
     by = {r["tier"]: r for r in records(tmp_path)}
     assert by["test-segfault"]["status"] == "crashed"
@@ -163,7 +163,7 @@ def test_report_merges_a_cell_run_with_its_rung_default_option_and_without(pytho
 def test_resume_counts_an_option_at_its_rung_default_as_the_cell_already_run(python_rungs, tmp_path):
     for name in ("results.jsonl", "run.json"):
         shutil.copy(python_rungs / name, tmp_path / name)
-    proc = ladder(tmp_path, "--tiers", "onnxruntime", "--batch", "2", "--res", "32",
+    proc = ladder(tmp_path, "--tiers", "onnxruntime", "--model", "resnet18", "--batch", "2", "--res", "32",
                   "--option", "onnxruntime:conv-algo-search=EXHAUSTIVE")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "1 already recorded" in proc.stdout
@@ -186,8 +186,8 @@ def test_ladder_runs_from_any_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     _, env = ladder_command(tmp_path)
-    argv = [sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--tiers", "eager,onnxruntime", "--batch",
-            "1", "--res", "32", "--out", "rel-out", *FAST]
+    argv = [sys.executable, "-m", "harness", "ladder", "--device", "cpu", "--tiers", "eager,onnxruntime", "--model",
+            "resnet18", "--batch", "1", "--res", "32", "--out", "rel-out", *FAST]
     proc = subprocess.run(argv, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = elsewhere / "rel-out"

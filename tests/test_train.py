@@ -120,15 +120,15 @@ def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
     """Every rung that trains here, the C++ libtorch program included (fed the same images, batch order and rates
     through the contract's --train-data), and eager's twin in the other layout, reach 90% and end within 1.5 points
     of eager; libtorch's curve is eager's within 1.5 points at every epoch, and the agreement table says so."""
-    doc = train_to_accuracy(tmp_path, "--device", "cpu", "--epochs", "6",
+    doc = train_to_accuracy(tmp_path, "--device", "cpu", "--epochs", "4",  # every rung past 97% at the 4th
                             "--tiers", "eager,torchscript,compile,libtorch,onnxruntime,cudnn")
     assert doc["data"]["train_images"] + doc["data"]["test_images"] == 1797
     assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "compile", "libtorch", "eager (nhwc)"}
     for r in doc["rungs"]:
-        assert len(r["curve"]) == 6 and r["final_test_accuracy"] >= 0.9, r
+        assert len(r["curve"]) == 4 and r["final_test_accuracy"] >= 0.9, r
     final_within_points_of_eager(doc, 1.5)
     within_points_of_eager({**doc, "rungs": [r for r in doc["rungs"] if r["rung"] in ("eager", "libtorch")]}, 1.5)
-    assert doc["agreement"]["libtorch"]["epochs_beyond"] == [] and doc["agreement"]["eager (nhwc)"]["epochs"] == 6
+    assert doc["agreement"]["libtorch"]["epochs_beyond"] == [] and doc["agreement"]["eager (nhwc)"]["epochs"] == 4
     assert "training API" in doc["skipped"]["onnxruntime"] and doc["skipped"]["cudnn"] == "needs a CUDA GPU"
     assert (tmp_path / "plots" / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     assert "](plots/accuracy.png)" in (tmp_path / "accuracy.md").read_text()
