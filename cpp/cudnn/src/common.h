@@ -148,22 +148,36 @@ inline double median_ms(cudaStream_t stream, const std::function<void()>& fn, in
   return ladder::median_of(t);
 }
 
+// fn's work on `stream` captured as one CUDA graph and instantiated; `nodes`, if given, gets the graph's node count.
+// Throws if fn does something a capture does not allow; the stream leaves capture mode either way.
+inline cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& fn, size_t* nodes = nullptr) {
+  cudaGraph_t graph = nullptr;
+  LADDER_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    fn();
+  } catch (...) {
+    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  LADDER_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  if (made == cudaSuccess && nodes) LADDER_CUDA(cudaGraphGetNodes(graph, nullptr, nodes));
+  cudaGraphDestroy(graph);
+  LADDER_CUDA(made);
+  return exec;
+}
+
 // Median GPU time of one call of fn, from replays of a CUDA graph of `calls` calls back to back: no host time before
 // or between them, as in a captured forward. (median_ms of one call counts the host's work before its first kernel
 // starts: at batch 1 that is most of a convolution's 15 us, its kernel 4 us.) -1 if fn cannot be captured.
 inline double graph_ms(cudaStream_t stream, const std::function<void()>& fn, int calls, int reps) {
-  bool issued = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
-  try {
-    for (int i = 0; issued && i < calls; ++i) fn();
-  } catch (const std::exception&) {  // something fn does is not allowed in a capture
-    issued = false;
-  }
-  cudaGraph_t graph = nullptr;
-  issued = cudaStreamEndCapture(stream, &graph) == cudaSuccess && graph && issued;
   cudaGraphExec_t exec = nullptr;
-  issued = issued && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-  if (graph) cudaGraphDestroy(graph);
-  if (!issued) {
+  try {
+    exec = capture_graph(stream, [&] {
+      for (int i = 0; i < calls; ++i) fn();
+    });
+  } catch (const std::exception&) {
     (void)cudaGetLastError();  // the failed capture's error is not this process's
     return -1;
   }

@@ -317,6 +317,9 @@ constexpr double kHostBoundMs = 1.0;
 // is long.
 constexpr double kReplayMs = 0.2;
 constexpr int kReplayCalls = 20;
+int replay_calls(double call_ms) {  // (a zero reading takes the most, not a division by zero)
+  return call_ms * kReplayCalls > kReplayMs ? std::max(1, int(kReplayMs / call_ms)) : kReplayCalls;
+}
 
 // The heuristic lists searched, by the index an engine table records (0 and 1 first: tables written before mode B
 // was searched stay valid).
@@ -381,8 +384,7 @@ std::shared_ptr<ConvPlan> tune_graph(cudnnHandle_t handle, const ConvSpec& spec,
       // the build minutes long).
       double ms = median_ms(stream, call, 1, 0);
       if (!best->plan || ms < 2 * best->tuned_ms || ms <= kHostBoundMs) {
-        const int calls = ms * kReplayCalls > kReplayMs ? std::max(1, int(kReplayMs / ms)) : kReplayCalls;
-        ms = search.graph ? graph_ms(stream, call, calls, 5) : median_ms(stream, call, 5, 0);
+        ms = search.graph ? graph_ms(stream, call, replay_calls(ms), 5) : median_ms(stream, call, 5, 0);
         if (ms < 0) continue;  // not capturable: no use to a captured network
       }
       ++best->tried;

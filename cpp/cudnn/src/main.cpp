@@ -86,14 +86,8 @@ class CudnnRung : public ladder::Rung {
     net_->reset();
     stats["cuda_graph"] = a.flag("cuda-graph");
     if (!a.flag("cuda-graph")) return;
-    cudaGraph_t graph;
-    LADDER_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
-    net_->issue();
-    LADDER_CUDA(cudaStreamEndCapture(stream_, &graph));
-    LADDER_CUDA(cudaGraphInstantiate(&exec_, graph, 0));
     size_t nodes = 0;
-    LADDER_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
-    LADDER_CUDA(cudaGraphDestroy(graph));
+    exec_ = rung::capture_graph(stream_, [&] { net_->issue(); }, &nodes);
     stats["cuda_graph_nodes"] = static_cast<unsigned long long>(nodes);
   }
   ~CudnnRung() override {
