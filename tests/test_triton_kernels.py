@@ -258,13 +258,14 @@ def test_linear():
     close(out.view(3, 29), F.linear(x, fc.weight, fc.bias).detach())
 
 
-# The interpreter's untuned configuration (two rows a tile, 16 cells wide, bands of 7 rows) and the GPU's (one row
-# a tile, of one channel group): at 64 pixels a side, 16 x 16 pool outputs, each row in two tiles, each image in
-# three bands.
-STEM_TILINGS = [None, dict(ROWS=1, BLOCK_W=16, BLOCK_C=32, BAND_TILES=5, BLOCK_K=32, num_warps=4, num_stages=2)]
+# The interpreter's untuned configuration (two rows a tile, 16 cells wide, bands of 7 rows), the GPU's (one row a
+# tile, of one channel group) and the same through TMA: at 64 pixels a side, 16 x 16 pool outputs, each row in two
+# tiles, each image in three bands.
+STEM_TILINGS = [None, dict(ROWS=1, BLOCK_W=16, BLOCK_C=32, BAND_TILES=5, BLOCK_K=32, num_warps=4, num_stages=2),
+                dict(ROWS=1, BLOCK_W=16, BLOCK_C=32, BAND_TILES=5, BLOCK_K=16, TMA=True, num_warps=4, num_stages=2)]
 
 
-@pytest.mark.parametrize("fused,untuned", [(True, STEM_TILINGS[0]), (True, STEM_TILINGS[1]), (False, None)])
+@pytest.mark.parametrize("fused,untuned", [(True, t) for t in STEM_TILINGS] + [(False, None)])
 @pytest.mark.parametrize("h,w", [(64, 64), (30, 26)])  # 30 x 26: odd convolution outputs, a cell half outside
 def test_stem_with_its_max_pool(h, w, fused, untuned):
     """The stem (convolution, batch-norm, ReLU) and its 3x3 max-pool, fused into one kernel or not, against

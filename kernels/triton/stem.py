@@ -25,6 +25,8 @@ What it costs: the tiled filter is mostly zeros (the 7x7 window inside 12x12), s
 the 7x7 does. Tensor cores pay that back: on the H100 at batch 256 in bf16 the stem took 0.61 ms against 0.71 for
 the convolution over 2x2-pixel tiles (16 channels, a 4x4 window: 1.3x the multiplies) and a separate max-pool. In
 strict fp32 every multiply is an FMA: there the stem stays that convolution and `max_pool2d` (`fused=False`).
+Through TMA (`TMA`: one descriptor box per operand and K step, no address arithmetic in the K loop) the bf16 kernel
+ran 561 -> 533 us in the network at batch 256 on the H100; TF32 ran slower that way (results/.../checks/stem-tma/).
 """
 from __future__ import annotations
 
@@ -48,9 +50,18 @@ GROUP: tl.constexpr = tl.constexpr(32)
 SPACE_TO_DEPTH_CHANNELS = 16  # the unfused stem's 2x2 tiles of 3 channels, zero-padded: 32-byte (16-bit) or 64-byte pixels
 
 
-def _config(rows, width, channels, band_tiles, bk, stages, warps):
+def _config(rows, width, channels, band_tiles, bk, stages, warps, tma=False):
     return triton.Config({"ROWS": rows, "BLOCK_W": width, "BLOCK_C": channels, "BAND_TILES": band_tiles,
-                          "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+                          "BLOCK_K": bk, "TMA": tma}, num_stages=stages, num_warps=warps)
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the TMA descriptors a program builds (`tl.make_tensor_descriptor`), from torch's allocator
+    (so a CUDA graph's capture takes it from the graph's pool)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+triton.set_allocator(_descriptor_scratch)
 
 
 # 64 cells wide (a 56-cell row of a 224 image in one tile). A program's tile is BLOCK_M = ROWS x 64 cells by 4 x
@@ -58,25 +69,30 @@ def _config(rows, width, channels, band_tiles, bk, stages, warps):
 # tiles): per cell, A / (4 BLOCK_C) + B / BLOCK_M bytes. One row of all 64 channels at 4 warps holds 255 registers,
 # two programs an SM (ptxas, sm90), so one's epilogue runs beside the other's K loop; two rows of 32 channels hold the
 # same and load a fifth less. Bands of 29 rows (a 224 image's 56 in two) down to one tile (more programs for batch 1).
-CONFIGS = [_config(rows, width, channels, band, bk, stages, warps)
-           for rows, width, channels, band, bk, stages, warps in (
-               (1, 64, 64, 29, 16, 4, 4), (1, 64, 64, 29, 16, 3, 4), (1, 64, 64, 29, 32, 3, 4),
-               (2, 64, 32, 29, 16, 4, 4), (2, 64, 64, 15, 16, 4, 8), (1, 64, 64, 8, 16, 4, 4),
-               (2, 32, 64, 1, 32, 3, 4), (2, 32, 32, 1, 32, 3, 4), (2, 32, 32, 1, 16, 4, 4))]
+# TMA (one row a tile): both operands' K tiles copied by the tensor memory accelerator, a whole box per instruction,
+# so the K loop computes no addresses and masks nothing (a box past the tiles' tensor is zero-filled).
+CONFIGS = [_config(rows, width, channels, band, bk, stages, warps, tma)
+           for rows, width, channels, band, bk, stages, warps, tma in (
+               (1, 64, 64, 29, 16, 4, 4, False), (1, 64, 64, 29, 16, 3, 4, False), (1, 64, 64, 29, 32, 3, 4, False),
+               (2, 64, 32, 29, 16, 4, 4, False), (2, 64, 64, 15, 16, 4, 8, False), (1, 64, 64, 8, 16, 4, 4, False),
+               (2, 32, 64, 1, 32, 3, 4, False), (2, 32, 32, 1, 32, 3, 4, False), (2, 32, 32, 1, 16, 4, 4, False),
+               (1, 64, 64, 29, 16, 5, 4, True), (1, 64, 64, 29, 16, 4, 4, True), (1, 64, 64, 8, 16, 4, 4, True))]
 
 
 def _prune(configs, args, **_):
     """Drop configurations whose pipeline overflows shared memory (K tiles halved for 4-byte types, as conv.py's,
-    to no less than 16) or whose channels do not divide the stem's."""
-    elem, c = args["z_ptr"].element_size(), args["C"]
+    to no less than 16) or whose channels do not divide the stem's; TMA only with one row a tile and K tiles that
+    divide a tap's channels."""
+    elem, c, cin = args["z_ptr"].element_size(), args["C"], args["CIN"]
     kept = {}
     for cfg in configs:
-        rows, width, channels, band, bk = (cfg.kwargs[k] for k in ("ROWS", "BLOCK_W", "BLOCK_C", "BAND_TILES",
-                                                                   "BLOCK_K"))
+        rows, width, channels, band, bk, tma = (cfg.kwargs[k] for k in ("ROWS", "BLOCK_W", "BLOCK_C", "BAND_TILES",
+                                                                        "BLOCK_K", "TMA"))
         bk = max(16, bk // 2) if elem == 4 else bk
-        if c % channels == 0 and cfg.num_stages * (rows * width + 4 * channels) * bk * elem <= SMEM_BYTES:
-            kept.setdefault((rows, width, channels, band, bk, cfg.num_stages, cfg.num_warps),
-                            _config(rows, width, channels, band, bk, cfg.num_stages, cfg.num_warps))
+        if (c % channels == 0 and cfg.num_stages * (rows * width + 4 * channels) * bk * elem <= SMEM_BYTES
+                and (not tma or (rows == 1 and cin % bk == 0))):
+            kept.setdefault((rows, width, channels, band, bk, cfg.num_stages, cfg.num_warps, tma),
+                            _config(rows, width, channels, band, bk, cfg.num_stages, cfg.num_warps, tma))
     return list(kept.values()) or [_config(1, 16, GROUP.value, 4, 16, 2, 4)]
 
 
@@ -89,6 +105,26 @@ def _fixed(cells_w: int, elem: int) -> dict:
                 num_stages=4)
 
 
+@triton.jit
+def _tiled_gemm(tiles, weights, first_tile, n0, ZW, CIN: tl.constexpr, PRECISION: tl.constexpr,
+                W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile [BLOCK_M cells from z's row `first_tile` on, N columns from n0] of the 3x3 convolution over
+    the tiles, through TMA: K step s is tap (dy, dx) = divmod(s // per_tap, 3), channels (s % per_tap) * BLOCK_K
+    on; the weights' rows are (dy, dx, channel), so its K tile starts at row s * BLOCK_K. Rows of z before or past
+    it read as zeros, and belong only to cells that are not emitted."""
+    per_tap: tl.constexpr = CIN // BLOCK_K
+    acc = tl.zeros((BLOCK_M, N), dtype=tl.float32)
+    for step in range(9 * per_tap):
+        tap = step // per_tap
+        a = tiles.load([first_tile + (tap // 3) * ZW + tap % 3, (step % per_tap) * BLOCK_K])
+        if W_KMAJOR:
+            b = weights.load([n0, step * BLOCK_K]).T
+        else:
+            b = weights.load([step * BLOCK_K, n0])
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
 @autotune(CONFIGS, key=["BATCH", "CH", "CW", "PRECISION"], prune=_prune)
 @triton.jit(do_not_specialize=["BATCH", "ZH", "ZW", "CH", "CW", "OH", "OW"])
 def stem_pool_kernel(
@@ -97,7 +133,7 @@ def stem_pool_kernel(
         OH, OW,  # the convolution's output size (a cell's pixels past it do not exist)
         CIN: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr, W_KMAJOR: tl.constexpr, K_ALIGN: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BAND_TILES: tl.constexpr,
-        BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
+        BLOCK_K: tl.constexpr, TMA: tl.constexpr = False, GDC: tl.constexpr = False):
     BLOCK_M: tl.constexpr = ROWS * BLOCK_W
     out_ty: tl.constexpr = y_ptr.dtype.element_ty
     N4: tl.constexpr = 4 * BLOCK_C  # the tile's GEMM columns: BLOCK_C channels x 4 pixels
@@ -119,6 +155,12 @@ def stem_pool_kernel(
     offs_n = channels * N4 + tl.arange(0, N4)  # packed by channel group: the tile's columns are contiguous
     offs_c = channels * BLOCK_C + tl.arange(0, BLOCK_C)
     bias = tl.load(bias_ptr + offs_n)
+    if TMA:  # the tiles as rows of CIN channels (a cell's window row: three of them in a row); the weights [K, 4C]
+        tiles = tl.make_tensor_descriptor(z_ptr, [BATCH * ZH * ZW, CIN], [CIN, 1], [BLOCK_W, BLOCK_K])
+        if W_KMAJOR:
+            weights = tl.make_tensor_descriptor(w_ptr, [4 * C, 9 * CIN], [9 * CIN, 1], [N4, BLOCK_K])
+        else:
+            weights = tl.make_tensor_descriptor(w_ptr, [9 * CIN, 4 * C], [4 * C, 1], [BLOCK_K, N4])
     wait_for_prior_kernel(GDC)
 
     steps = 3 * tl.cdiv(3 * CIN, BLOCK_K)
@@ -135,9 +177,14 @@ def stem_pool_kernel(
         cell_ok = col_ok & (i >= 0) & (i < CH)
         offs_m = tl.where(cell_ok, (img * CH + i) * CW + j, 0)
         # (the zero tiles around z are the padding: cell (i, j)'s window starts at z's tile (i, j), unmasked)
-        acc = _window_gemm(z_ptr, w_ptr, w_ptr, offs_m, offs_n, cell_ok, offs_n < 4 * C, 0, steps, ZH, ZW, CIN, CH,
-                           CW, 4 * C, 0, 0, 0, 1.0, 3, 3, 1, 0, PRECISION, False, W_KMAJOR, 0, K_ALIGN, BLOCK_M, N4,
-                           BLOCK_K, 1)
+        if TMA:  # the tile's cells are one run of z's rows, from the first cell's (its window's first tile)
+            first_tile = (img * ZH + first_row - 1 + tile) * ZW + chunk * (BLOCK_W - 1) - 1
+            acc = _tiled_gemm(tiles, weights, first_tile, channels * N4, ZW, CIN, PRECISION, W_KMAJOR, BLOCK_W, N4,
+                              BLOCK_K)
+        else:
+            acc = _window_gemm(z_ptr, w_ptr, w_ptr, offs_m, offs_n, cell_ok, offs_n < 4 * C, 0, steps, ZH, ZW, CIN,
+                               CH, CW, 4 * C, 0, 0, 0, 1.0, 3, 3, 1, 0, PRECISION, False, W_KMAJOR, 0, K_ALIGN,
+                               BLOCK_M, N4, BLOCK_K, 1)
         # bias and ReLU, rounded as the convolution would store them (max commutes with rounding); each cell's four
         # pixels (u, v) split apart (reshapes, a permutation and splits: no data moves), those past the image zeroed
         q = tl.reshape(tl.maximum(acc + bias[None, :], 0.0).to(out_ty), (BLOCK_M, GROUPS, 2, 2, GROUP))
