@@ -6,7 +6,8 @@ it (docs/notes/handwritten-toward-the-limit.md). Here every candidate is timed w
 1. Variant i replays the network with candidate i of every convolution's key (the autotuner's list for that shape,
    plus each small tile with 8 warps and with 3 stages), captured in a CUDA graph and profiled (CUPTI). Keys that
    another dtype's cell shares (fp8's bf16 stem and classifier) keep their table entries (`own_keys`).
-2. Each kernel's own time in the chain (its end minus the end of the kernel before it) scores its key's candidate.
+2. Each kernel's own time in the chain (its end minus the end of the kernel before it) scores its key's candidate;
+   each changed key is printed with its time under the table's entry and under the chosen one (`changes`).
 3. The best candidate of every key, together, is timed against the table as it stands: graph replays back to
    back, alternating the two, `--rounds` times. Only a whole faster by more than `--threshold`, with its bootstrap
    interval excluding no change (`compare`'s rule), is written (`--out`, and merged into `--merge-into`, e.g. the
@@ -156,6 +157,21 @@ def pipelined_us(g: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays * 1e3
 
 
+def changes(chosen: dict[str, dict], scores: dict[str, dict[str, list[float]]],
+            table_us: dict[str, list[float]]) -> list[str]:
+    """A line per changed key: its kernels' own time in the chain (median over the layers that share the key) with
+    the table's entry and with the chosen one, and the chosen configuration. Printed whether or not the whole is
+    written: which candidate won where is the finding even when the whole is no faster."""
+    lines = []
+    for key, entry in sorted(chosen.items()):
+        mine = statistics.median(scores[key][json.dumps(entry, sort_keys=True)])
+        was = f"{statistics.median(table_us[key]):.1f}" if table_us.get(key) else "?"
+        config = " ".join(f"{k}={v}" for k, v in sorted(entry["kwargs"].items()))
+        lines.append(f"{key}: {was} -> {mine:.1f} us ({config} warps={entry['num_warps']} "
+                     f"stages={entry['num_stages']})")
+    return lines
+
+
 def faster_beyond_noise(table_us: list[float], chosen_us: list[float], threshold: float) -> tuple[bool, str]:
     """Whether the chosen whole beats the table by the ladder's own rule for a change (harness/compare.py: more
     than `threshold`, its bootstrap interval excluding none), and the comparison in words. On the H100 a tf32
@@ -184,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     chain = Chain(args.model, args.batch, args.res, args.dtype)
     shipped_graph = chain.graph(chain.shipped)
     convs = own_keys(sorted({k for k in chain.keys if k}), args.dtype)
+    table_us: dict[str, list[float]] = {}
+    for key, us in zip(chain.keys, owned_us(shipped_graph, len(chain.keys))):
+        if key in convs:
+            table_us.setdefault(key, []).append(us)
     options = {k: candidates(k) for k in convs}
     scores: dict[str, dict[str, list[float]]] = {k: {} for k in convs}
     for i in range(max(len(c) for c in options.values())):
@@ -202,13 +222,15 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(pipelined_us(g, args.replays))
     faster, summary = faster_beyond_noise(times["table"], times["chosen"], args.threshold)
     print(f"{len(chosen)} of {len(convs)} keys changed; {summary}")
+    changed = changes(chosen, scores, table_us)
+    print("\n".join(changed))
     if not faster:
         print(f"the chosen configurations are not faster by more than {args.threshold:.0%} beyond noise: "
               "nothing written")
         return 1
     about = {"gpu": chain.gpu, "triton": triton_version(),
              "chain_tune": {"model": args.model, "batch": args.batch, "res": args.res, "dtype": args.dtype,
-                            "table_us": times["table"], "chosen_us": times["chosen"]}}
+                            "table_us": times["table"], "chosen_us": times["chosen"], "changes": changed}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps({**about, "configs": chosen}, indent=1, sort_keys=True))
     if args.merge_into:

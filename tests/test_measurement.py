@@ -1,4 +1,5 @@
 """The protocol's statistics and the parity verdicts, on real numbers."""
+import json
 import statistics
 
 import numpy as np
@@ -231,6 +232,19 @@ def test_chain_tune_writes_only_a_gain_beyond_noise():
     assert not faster_beyond_noise(*tf32, 0.01)[0]
     assert not faster_beyond_noise(*fp8, 0.10)[0]  # 7% is not the 10% asked for
     assert not faster_beyond_noise(fp8[1], fp8[0], 0.01)[0]  # slower
+
+
+def test_chain_tune_names_each_changed_key_with_its_time_before_and_after():
+    """Each changed key's line: the table entry's own time in the chain, the chosen one's (medians over the layers
+    that share the key), and the chosen configuration; a key whose table entry was not timed says so."""
+    from bench.chain_tune import changes
+
+    entry = {"kwargs": {"BLOCK_M": 128, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3}
+    scores = {"k1": {json.dumps(entry, sort_keys=True): [10.0, 12.0, 30.0]}, "k2": {json.dumps(entry, sort_keys=True):
+                                                                                   [5.0]}}
+    lines = changes({"k2": entry, "k1": entry}, scores, {"k1": [14.0, 16.0]})
+    assert lines == ["k1: 15.0 -> 12.0 us (BLOCK_M=128 BLOCK_N=64 warps=4 stages=3)",
+                     "k2: ? -> 5.0 us (BLOCK_M=128 BLOCK_N=64 warps=4 stages=3)"]
 
 
 def test_chain_tune_leaves_the_keys_another_dtype_shares():
