@@ -65,8 +65,9 @@ class TritonTier(PythonTier):
     # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes, and each
     # convolution prefetches its weights into L2 before waiting for it (kernels/triton/pdl.py; from Hopper on, the
     # build stats say whether it ran). The GPU's default outside strict fp32: on the H100, bf16 batch 1 under a
-    # CUDA graph 0.31 -> 0.28 ms on three machines, batch 256 no slower; fp32 batch 32 7.68 -> 8.37 ms
-    # (results/.../checks/fused-shortcut/, checks/early-epilogue/, checks/pdl-default/).
+    # CUDA graph 0.31 -> 0.28 ms on three machines; later bf16 batch 256 6.68 -> 6.37 ms without a graph, 6.41 ->
+    # 6.37 with one; fp32 batch 32 7.68 -> 8.37 ms (results/.../checks/fused-shortcut/, checks/early-epilogue/,
+    # checks/pdl-default/, checks/pdl-stream/).
     # pairs: a bottleneck's 3x3 convolution and the 1x1 after it as one kernel, its output kept on the chip
     # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers of at most 128 channels with a
     # tile for every SM), in every block without a downsample (on), or nowhere (off).
