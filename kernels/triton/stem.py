@@ -149,7 +149,8 @@ def stem_pool_kernel(
     first_row = band * emit_rows
     offs = tl.arange(0, BLOCK_M)
     r, t = offs // BLOCK_W, offs % BLOCK_W
-    j = chunk * (BLOCK_W - 1) - 1 + t
+    first_col = chunk * (BLOCK_W - 1) - 1  # the chunk's first cell column (computed, not emitted)
+    j = first_col + t
     col_ok = (j >= 0) & (j < CW)
     emit_col = col_ok & (t > 0)
     offs_n = channels * N4 + tl.arange(0, N4)  # packed by channel group: the tile's columns are contiguous
@@ -163,7 +164,6 @@ def stem_pool_kernel(
             weights = tl.make_tensor_descriptor(w_ptr, [9 * CIN, 4 * C], [4 * C, 1], [BLOCK_K, N4])
     wait_for_prior_kernel(GDC)
 
-    steps = 3 * tl.cdiv(3 * CIN, BLOCK_K)
     shift_left = tl.broadcast_to(tl.maximum(offs - 1, 0)[:, None], (BLOCK_M, BLOCK_C))
     shift_up = tl.broadcast_to(tl.maximum(offs - BLOCK_W, 0)[:, None], (BLOCK_M, BLOCK_C))
     from_carry = tl.broadcast_to(t[:, None], (BLOCK_M, BLOCK_C))
@@ -173,18 +173,18 @@ def stem_pool_kernel(
     # the band's extra row, computed but not emitted.
     carry = tl.zeros((BLOCK_W, BLOCK_C), dtype=out_ty)
     for tile in range(BAND_TILES):
-        i = first_row - 1 + tile * ROWS + r
+        tile_row = first_row - 1 + tile * ROWS  # the tile's first cell row
+        i = tile_row + r
         cell_ok = col_ok & (i >= 0) & (i < CH)
-        offs_m = tl.where(cell_ok, (img * CH + i) * CW + j, 0)
         # (the zero tiles around z are the padding: cell (i, j)'s window starts at z's tile (i, j), unmasked)
-        if TMA:  # the tile's cells are one run of z's rows, from the first cell's (its window's first tile)
-            first_tile = (img * ZH + first_row - 1 + tile) * ZW + chunk * (BLOCK_W - 1) - 1
-            acc = _tiled_gemm(tiles, weights, first_tile, channels * N4, ZW, CIN, PRECISION, W_KMAJOR, BLOCK_W, N4,
-                              BLOCK_K)
+        if TMA:  # one row a tile: its cells are one run of z's rows, from the first cell's window's first tile
+            acc = _tiled_gemm(tiles, weights, (img * ZH + tile_row) * ZW + first_col, channels * N4, ZW, CIN,
+                              PRECISION, W_KMAJOR, BLOCK_W, N4, BLOCK_K)
         else:
-            acc = _window_gemm(z_ptr, w_ptr, w_ptr, offs_m, offs_n, cell_ok, offs_n < 4 * C, 0, steps, ZH, ZW, CIN,
-                               CH, CW, 4 * C, 0, 0, 0, 1.0, 3, 3, 1, 0, PRECISION, False, W_KMAJOR, 0, K_ALIGN,
-                               BLOCK_M, N4, BLOCK_K, 1)
+            offs_m = tl.where(cell_ok, (img * CH + i) * CW + j, 0)
+            acc = _window_gemm(z_ptr, w_ptr, w_ptr, offs_m, offs_n, cell_ok, offs_n < 4 * C, 0,
+                               3 * tl.cdiv(3 * CIN, BLOCK_K), ZH, ZW, CIN, CH, CW, 4 * C, 0, 0, 0, 1.0, 3, 3, 1, 0,
+                               PRECISION, False, W_KMAJOR, 0, K_ALIGN, BLOCK_M, N4, BLOCK_K, 1)
         # bias and ReLU, rounded as the convolution would store them (max commutes with rounding); each cell's four
         # pixels (u, v) split apart (reshapes, a permutation and splits: no data moves), those past the image zeroed
         q = tl.reshape(tl.maximum(acc + bias[None, :], 0.0).to(out_ty), (BLOCK_M, GROUPS, 2, 2, GROUP))
