@@ -240,8 +240,8 @@ def test_chain_tune_names_each_changed_key_with_its_time_before_and_after():
     from bench.chain_tune import changes
 
     entry = {"kwargs": {"BLOCK_M": 128, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3}
-    scores = {"k1": {json.dumps(entry, sort_keys=True): [10.0, 12.0, 30.0]}, "k2": {json.dumps(entry, sort_keys=True):
-                                                                                   [5.0]}}
+    candidate = json.dumps(entry, sort_keys=True)  # how chain_tune names a candidate in its scores
+    scores = {"k1": {candidate: [10.0, 12.0, 30.0]}, "k2": {candidate: [5.0]}}
     lines = changes({"k2": entry, "k1": entry}, scores, {"k1": [14.0, 16.0]})
     assert lines == ["k1: 15.0 -> 12.0 us (BLOCK_M=128 BLOCK_N=64 warps=4 stages=3)",
                      "k2: ? -> 5.0 us (BLOCK_M=128 BLOCK_N=64 warps=4 stages=3)"]
