@@ -16,6 +16,13 @@ TOLERANCES = {
 }
 
 
+# Against the rung's own recipe at its dtype (core/recipes.py: the same roundings, in PyTorch), largest allowed
+# max|out - ref| / max|ref|. Only the order of fp32 sums differs from the recipe, and a value that lands on the
+# other side of a rounding boundary because of it; so these are far below the band against fp32 above, and below
+# what the mutation suite's wrong networks move the logits (docs/notes/parity.md has the figures they rest on).
+RECIPE_TOLERANCES = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 1e-2, "fp8": 2e-2}
+
+
 # Dtypes whose rounding can come near the distance between two inputs' outputs: with the run's weights at 224 px,
 # ResNet-50's logits for another input are 0.24 rel err and 0.973 cosine from these, inside fp8's tolerance. There
 # the output must also be nearer the reference than this share of that distance (docs/notes/fp8-parity.md).
@@ -39,6 +46,37 @@ def against_another_input(parity: dict, other: torch.Tensor, ref: torch.Tensor, 
     return {**parity, "ok": parity["ok"] and max(rel, cos) <= share, "reason": "; ".join(failures) or None,
             "another_input": {"rel_err": far["rel_err"], "cosine": far["cosine"], "share_of_rel_err": rel,
                               "share_of_cosine_distance": cos, "allowed_share": share}}
+
+
+def against_recipe(parity: dict, out: torch.Tensor, recipe_ref: torch.Tensor, recipe: str, dtype: str) -> dict:
+    """`parity` (of `out` against eager fp32) with the second test of a rung that names its recipe: `out` within
+    RECIPE_TOLERANCES of the recipe computed at the cell's dtype (`recipe_ref`)."""
+    if "rel_err" not in parity:
+        return parity
+    tol = RECIPE_TOLERANCES[dtype]
+    figures = _distance(out, recipe_ref)
+    ok = figures["rel_err"] <= tol
+    failures = [parity["reason"]] if parity["reason"] else []
+    if not ok:
+        failures.append(f"{figures['rel_err']:.2e} from its recipe ({recipe}, {dtype}) > {tol:.0e}")
+    return {**parity, "ok": parity["ok"] and ok, "reason": "; ".join(failures) or None,
+            "recipe": {"name": recipe, **figures, "tolerance": tol, "ok": ok}}
+
+
+def ratio_to_eager(parity: dict, eager_out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """`parity` with its error as a share of eager's at the same dtype (`eager_out`, against the same `ref`)."""
+    if "rel_err" not in parity:
+        return parity
+    eager = _distance(eager_out, ref)["rel_err"]
+    return {**parity, "eager_rel_err": eager, "ratio_to_eager": parity["rel_err"] / eager if eager > 0 else None}
+
+
+def _distance(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    out, ref = out.double(), ref.double()
+    scale = ref.abs().max().item()
+    rel = (out - ref).abs().max().item() / scale if scale > 0 else (out - ref).abs().max().item()
+    return {"rel_err": rel,
+            "cosine": torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()}
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> dict:

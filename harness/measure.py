@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 
 from core.cell import Cell
 from harness.context import Context
-from harness.record import base_record
+from harness.record import base_record, recipe_references
 from harness.rundir import ReferenceFailed
 from harness.watch import ChildRun
 from tiers import all_tiers
@@ -33,6 +33,8 @@ def screen(ctx: Context, cell: Cell) -> dict | None:
         return {**record, "status": "skipped", "reason": reason}
     try:
         ctx.run.reference(cell.batch, cell.res, cell.task)
+        for key in recipe_references(cell).values():
+            ctx.run.reference(cell.batch, cell.res, recipe=key)
     except ReferenceFailed as e:
         return {**record, "status": e.status, "reason": e.reason}
     return None

@@ -21,6 +21,7 @@ from core.files import write_text_atomic
 from core.paths import REPO
 from harness.context import Context
 from harness.contract import contract_argv
+from harness.record import recipe_references
 from harness.rundir import ReferenceFailed, cell_dir
 from tiers import all_tiers
 from tiers.base import ExternalTier
@@ -100,10 +101,12 @@ class PrepareStage:
                                                  "time_to_first_result_s": sum(cold.values()), **cold,
                                                  "concurrent_jobs": beside}}
 
-    def reference(self, batch: int, res: int, task: str, seed: int = 0) -> None:
+    def reference(self, batch: int, res: int, task: str, seed: int = 0,
+                  recipe: tuple[str, str, str] | None = None) -> None:
+        what = f"{recipe[0]} {recipe[1]} recipe" if recipe else f"eager {task} reference"
         try:
-            self.counted(f"eager {task} reference b{batch} r{res}{f' (input {seed})' if seed else ''}",
-                         lambda: self.ctx.run.reference(batch, res, task, seed))
+            self.counted(f"{what} b{batch} r{res}{f' (input {seed})' if seed else ''}",
+                         lambda: self.ctx.run.reference(batch, res, task, seed, recipe))
         except ReferenceFailed:
             pass  # remembered by the run directory and recorded for each of its cells
 
@@ -113,13 +116,14 @@ class PrepareStage:
         exports: list[Callable[[], None]] = []
         warms: list[Callable[[], None]] = []
         builds: list[Callable[[], None]] = []
-        configs = set()
+        configs, recipes = set(), set()
         for name, cells in groups.items():
             tier = self.tiers[name]
             runnable = [c for c in cells if tier.availability(c.device) is None and tier.supports(c) is None]
             configs |= {(c.batch, c.res, c.task, 0) for c in runnable}
             # another input's reference, for the dtypes whose parity also measures against it (core/parity.py)
             configs |= {(c.batch, c.res, c.task, 1) for c in runnable if c.dtype in NEARER_THAN_ANOTHER_INPUT}
+            recipes |= {(c.batch, c.res, key) for c in runnable for key in recipe_references(c).values()}
             by_dtype: dict[str, list[Cell]] = collections.defaultdict(list)
             for c in runnable:
                 by_dtype[c.dtype].append(c)
@@ -132,6 +136,7 @@ class PrepareStage:
         for batch, res, _, seed in configs:
             self.ctx.run.input(batch, res, seed)  # written once, here, not by the parallel jobs
         references = [lambda b=b, r=r, t=t, s=s: self.reference(b, r, t, s) for b, r, t, s in sorted(configs)]
+        references += [lambda b=b, r=r, k=k: self.reference(b, r, "infer", recipe=k) for b, r, k in sorted(recipes)]
         return exports + warms + builds + references
 
 

@@ -12,13 +12,14 @@ from core.cell import Cell
 from core.env import source_revision, utc_now
 from core.flops import flops_per_group, flops_per_image
 from core.layers import convolutions, elements_per_group
-from core.parity import NEARER_THAN_ANOTHER_INPUT, against_another_input, compare
+from core.parity import NEARER_THAN_ANOTHER_INPUT, against_another_input, against_recipe, compare, ratio_to_eager
 from core.placement import torch_dtype
 from core.stats import summarize
 from harness import census
 from harness.contention import describe
 from harness.context import Context
 from harness.rundir import cell_dir
+from tiers import get_tier
 
 DONE = "ok"
 
@@ -158,9 +159,23 @@ def base_record(cell: Cell) -> dict[str, Any]:
             "source": source_revision()["digest"]}
 
 
+def recipe_references(cell: Cell) -> dict[str, tuple[str, str, str]]:
+    """The references an inference cell below fp32 is measured against besides eager fp32, as (recipe, dtype,
+    layout) for RunDir.reference: `eager`, eager at the same dtype (bf16 for fp8), whose error the cell's is
+    divided by; `recipe`, the rung's own recipe at the cell's dtype, where it names one (Tier.parity_recipe)."""
+    if cell.task != "infer" or cell.dtype == "fp32":
+        return {}
+    refs = {"eager": ("eager", "bf16" if cell.dtype == "fp8" else cell.dtype, cell.layout)}
+    recipe = get_tier(cell.tier).parity_recipe(cell)
+    if recipe:  # the folded recipes compute the same in any layout
+        refs["recipe"] = (recipe, cell.dtype, cell.layout if recipe == "eager" else "any")
+    return refs
+
+
 def check_parity(ctx: Context, cell: Cell) -> dict:
     """The cell's output against the eager fp32 reference: one forward's logits, or a training cell's losses and
-    state after the parity steps."""
+    state after the parity steps. Below fp32, also against the rung's recipe at its dtype, and as a ratio to
+    eager's error at that dtype (recipe_references)."""
     ref = ctx.run.reference(cell.batch, cell.res, cell.task)
     out = cell_dir(ctx.run, cell) / "output.safetensors"
     if cell.task == "train":
@@ -171,6 +186,12 @@ def check_parity(ctx: Context, cell: Cell) -> dict:
     if cell.dtype in NEARER_THAN_ANOTHER_INPUT:
         other = model_io.read_tensor(ctx.run.reference(cell.batch, cell.res, cell.task, seed=1), "output")
         parity = against_another_input(parity, other, ref, cell.dtype)
+    refs = {k: model_io.read_tensor(ctx.run.reference(cell.batch, cell.res, recipe=key), "output")
+            for k, key in recipe_references(cell).items()}
+    if "eager" in refs:
+        parity = ratio_to_eager(parity, refs["eager"], ref)
+    if "recipe" in refs:
+        parity = against_recipe(parity, out, refs["recipe"], recipe_references(cell)["recipe"][0], cell.dtype)
     return parity
 
 

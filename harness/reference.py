@@ -2,6 +2,7 @@
 
 - `ref`:  the eager fp32 reference (TF32 off) that every rung is compared against: the output of one forward, or
           for `train` the loss of each parity step and the state after them (core/train.py);
+- `recipe`: a rung's recipe at its dtype (core/recipes.py), which cells below fp32 are also held to;
 - `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak', and its
           measured memory bandwidth (a device-to-device copy), the other side of a layer's roofline."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ from core.cell import Cell, Store
 from core.files import write_text_atomic
 from core.model import load_model, read_tensor
 from core.placement import set_math_mode, torch_dtype
+from core.recipes import recipe_output
 from tiers import get_tier
 
 
@@ -34,6 +36,14 @@ def reference(model_name: str, weights: str, input_path: str, output: str, devic
         return
     with torch.inference_mode():
         out = model(x)
+    save_file({"output": out.float().cpu().contiguous()}, output)
+
+
+def recipe(model_name: str, weights: str, input_path: str, output: str, device: str, name: str, dtype: str,
+           layout: str) -> None:
+    model = load_model(model_name, weights).to(device)
+    x = read_tensor(input_path, "input").to(device)
+    out = recipe_output(name, model, x, dtype, layout == "nhwc")
     save_file({"output": out.float().cpu().contiguous()}, output)
 
 
@@ -68,4 +78,4 @@ def measured_peak(output: str) -> None:
 
 if __name__ == "__main__":
     job, *args = sys.argv[1:]
-    {"ref": reference, "peak": measured_peak}[job](*args)
+    {"ref": reference, "recipe": recipe, "peak": measured_peak}[job](*args)

@@ -93,15 +93,15 @@ class RunDir:
                           f"{need_bytes / 2**20:.0f} MiB (weights, references, caches)")
 
     def weights_for(self, task: str) -> Path:
-        """The weights a cell starts from: the run's, or for training the run's with residual branches
-        zero-initialised (core.model.zero_init_residual)."""
+        """The weights a cell starts from: the run's, or for training the run's with residual branches damped
+        further (core.model.training_start)."""
         return self.weights if task == "infer" else self.path / f"{self.model}.train-weights.safetensors"
 
     def write_weights(self, task: str = "infer") -> None:
         """The weights file(s) `task` needs, each written once (to a temporary name, then renamed)."""
         for path, make in ((self.weights, lambda: model_io.build_model(self.model)),
                            (self.weights_for(task),
-                            lambda: model_io.zero_init_residual(model_io.load_model(self.model, self.weights)))):
+                            lambda: model_io.training_start(model_io.load_model(self.model, self.weights)))):
             if not path.exists():
                 write_atomic(path, lambda tmp, make=make: model_io.write_weights(make(), tmp))
 
@@ -113,27 +113,34 @@ class RunDir:
             write_atomic(p, lambda tmp: model_io.write_input(model_io.make_input(batch, res, seed), tmp))
         return p
 
-    def reference(self, batch: int, res: int, task: str = "infer", seed: int = 0) -> Path:
+    def reference(self, batch: int, res: int, task: str = "infer", seed: int = 0,
+                  recipe: tuple[str, str, str] | None = None) -> Path:
         """The eager fp32 reference (TF32 off): the output of one forward, or for training the loss of each parity
-        step and the state after them; of the input of `seed` (core.parity's other input: seed 1). Raises
-        ReferenceFailed (remembered) if eager cannot compute it."""
-        if (batch, res, task, seed) in self._failed_refs:
-            raise ReferenceFailed(*self._failed_refs[(batch, res, task, seed)])
+        step and the state after them; of the input of `seed` (core.parity's other input: seed 1). With `recipe`
+        (name, dtype, layout): that recipe's output at that dtype (core/recipes.py) instead. Raises
+        ReferenceFailed (remembered) if it cannot be computed."""
+        key = (batch, res, task, seed, recipe)
+        if key in self._failed_refs:
+            raise ReferenceFailed(*self._failed_refs[key])
         what = "training " if task == "train" else ""
-        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}{_seeded(seed)}_{self.device}.safetensors"
+        mark = "_".join(("", *recipe)) if recipe else ""
+        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}{_seeded(seed)}{mark}_{self.device}.safetensors"
         if not p.exists():
             p.parent.mkdir(exist_ok=True)
-            proc = procs.run([sys.executable, "-m", "harness.reference", "ref", self.model, str(self.weights_for(task)),
-                              str(self.input(batch, res, seed)), str(p), self.device, task], cwd=REPO,
-                             env=procs.child_env(),
+            job = ["recipe", *self._files(task, batch, res, seed, p), *recipe] if recipe else [
+                "ref", *self._files(task, batch, res, seed, p), task]
+            proc = procs.run([sys.executable, "-m", "harness.reference", *job], cwd=REPO, env=procs.child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:])
-                self._failed_refs[(batch, res, task, seed)] = (
-                    "oom" if status == "oom" else "error",
-                    f"eager {what}reference (batch {batch}, res {res}) failed: {reason}")
-                raise ReferenceFailed(*self._failed_refs[(batch, res, task, seed)])
+                name = f"{recipe[0]} {recipe[1]} recipe " if recipe else f"eager {what}"
+                self._failed_refs[key] = ("oom" if status == "oom" else "error",
+                                          f"{name}reference (batch {batch}, res {res}) failed: {reason}")
+                raise ReferenceFailed(*self._failed_refs[key])
         return p
+
+    def _files(self, task: str, batch: int, res: int, seed: int, out: Path) -> list[str]:
+        return [self.model, str(self.weights_for(task)), str(self.input(batch, res, seed)), str(out), self.device]
 
     def matmul_peak(self, gpu: str | None = None, uuid: str | None = None) -> dict[str, float]:
         """cuBLAS's dense matmul rate per dtype on `gpu` (as CUDA_VISIBLE_DEVICES names it; None: this process's

@@ -128,13 +128,14 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
     interpreter has no bf16 arithmetic."""
     from core.model import make_input
     from core.parity import TOLERANCES, against_another_input, compare
-    from kernels.triton.resnet import TritonResNet, input_amax
+    from core.recipes import calibration_amax
+    from kernels.triton.resnet import TritonResNet
 
     model = build_model("resnet18").eval()
     x = make_input(8, 32)
     with torch.no_grad():
         ref = model(x)
-        net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=input_amax(model, x))
+        net = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False, fp8_amax=calibration_amax(model, x))
         assert all(p.fp8 and p.kmajor for convs, down in net.blocks for p in convs + ([down] if down else []))
         assert not net.stem.conv.fp8 and not net.fc.fp8  # the first and last layers stay in the activations' type
         assert net.stem.fused  # its max-pool fused in wherever tensor cores multiply (TF32 here)

@@ -66,6 +66,11 @@ class Tier:
             return f"{self.name} does not capture its training step in a CUDA graph"
         return None
 
+    def parity_recipe(self, cell: Cell) -> str | None:
+        """The recipe (core/recipes.py) this rung's cells below fp32 are also held to at their own dtype, or None:
+        only the band against eager fp32 (a rung whose roundings are its compiler's, not written down here)."""
+        return None
+
     def option_default(self, key: str, cell: Cell) -> str | None:
         """The value an unset option takes in `cell`, on its device and in its dtype (the first of its choices; None
         for integer options)."""

@@ -33,7 +33,7 @@ import torch
 from core import train
 from core.cbuild import build_dir, cmake_build, sources_missing
 from core.cell import Cell, Unavailable
-from core.model import build_model, make_input, write_input, write_weights, zero_init_residual
+from core.model import build_model, make_input, write_input, training_start, write_weights
 from tiers.base import ExternalTier
 
 TOOLKIT = Path("/usr/local/cuda")
@@ -153,6 +153,9 @@ class CudnnTier(ExternalTier):
     cuda_graph = True
     has_micro = True
 
+    def parity_recipe(self, cell: Cell) -> str | None:
+        return "folded"  # batch-norm folded (net.cpp), the downsample's output stored before the residual add
+
     def supports(self, cell: Cell) -> str | None:
         reason = super().supports(cell)
         if reason is None and cell.task == "train" and not cell.channels_last:
@@ -208,7 +211,7 @@ class CudnnTier(ExternalTier):
         with tempfile.TemporaryDirectory() as tmp:
             weights, inputs = Path(tmp) / "weights.safetensors", Path(tmp) / "input.safetensors"
             model = build_model("resnet50")
-            write_weights(zero_init_residual(model) if task == "train" else model, weights)
+            write_weights(training_start(model) if task == "train" else model, weights)
             write_input(make_input(batch, res), inputs)
             proc = subprocess.run([str(self.binary()), "--micro", "1", "--weights", str(weights), "--input",
                                    str(inputs), "--batch", str(batch), "--res", str(res), "--dtype", dtype,

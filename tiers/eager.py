@@ -15,6 +15,9 @@ class Eager(PythonTier):
     batch_change = True
     cannot_train = None
 
+    def parity_recipe(self, cell):
+        return "eager"
+
     def build(self, model, example, cell, store):
         module = place_model(model, cell)
         return Built(forward=module, layer_scopes=lambda: module_scopes(module))

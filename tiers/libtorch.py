@@ -51,6 +51,9 @@ class LibTorch(ExternalTier):
     cuda_graph = True
     target = "ladder_libtorch"
 
+    def parity_recipe(self, cell: Cell) -> str | None:
+        return "eager"  # torch::nn calls the ATen kernels eager calls
+
     def availability(self, device: str) -> str | None:
         return _missing()
 
@@ -84,6 +87,9 @@ class TorchScriptCpp(LibTorch):
     summary = "the torchscript rung's frozen module, loaded with torch::jit::load and run from C++; no Python"
     models = None
     target = "ladder_torchscript_cpp"
+
+    def parity_recipe(self, cell: Cell) -> str | None:
+        return None  # the TorchScript graph's own fusions
 
     def prepare(self, cell: Cell, weights: Path, workdir: Path, cache: Path) -> dict[str, str]:
         """Exports the cell's TorchScript module into `workdir` in a process of its own

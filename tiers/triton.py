@@ -8,6 +8,7 @@ came from. Option autotune=off runs one heuristic config per kernel instead (fas
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 from functools import partial
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from core.cell import DTYPES, Built, Cell, Store, layout_name
 from core.layers import SCOPE, distinct_layers
 from core.parity import TOLERANCES
+from core.recipes import calibration_amax, calibration_input
 from core.placement import memory_format, set_math_mode, torch_dtype
 from tiers.base import PythonTier
 
@@ -39,17 +41,16 @@ def _precision(dtype: str) -> str:
 FP8_RECIPE = {"weights": "e4m3, one scale per output channel (batch-norm folded first)",
               "activations": "one calibrated scale per tensor; e4m3 in memory between a block's convolutions, bf16 "
                              "at block boundaries (the residual path), rounded to e4m3 in the dot that reads them",
-              "calibration": "each convolution input's amax over the run's input, in an eager fp32 forward",
+              "calibration": "each convolution input's amax over the calibration input (core/recipes.py: not the "
+                             "parity input), in an eager strict fp32 forward",
               "bf16 layers": "the stem and the classifier, as FP8 recipes keep the first and last layers"}
 
 
 def calibrate(model: torch.nn.Module, example: torch.Tensor) -> dict[str, float]:
-    """The fp8 cell's calibration pass: each convolution's input amax over the run's input (kernels/triton)."""
-    import copy
-
-    from kernels.triton.resnet import input_amax  # Triton: only where it runs
-
-    return input_amax(copy.deepcopy(model).to(example.device), example)
+    """The fp8 cell's calibration pass: each convolution's input amax over the calibration input of the example's
+    shape, which is not the input parity is checked on (core/recipes.py)."""
+    x = calibration_input(example.shape[0], example.shape[-1]).to(example.device)
+    return calibration_amax(copy.deepcopy(model).to(example.device), x)
 
 
 class TritonTier(PythonTier):
@@ -80,6 +81,10 @@ class TritonTier(PythonTier):
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
     has_micro = True
+
+    def parity_recipe(self, cell: Cell) -> str | None:
+        # a downsample is summed into its block's last convolution (fuse_shortcut), except in fp8
+        return "folded" if cell.dtype == "fp8" else "folded-fused-shortcut"
 
     def option_default(self, key: str, cell: Cell) -> str | None:
         gpu = cell.device == "cuda"

@@ -127,6 +127,22 @@ def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def tf32_operand(t, PRECISION: tl.constexpr):
+    """A TF32 product's fp32 multiplicand rounded to nearest TF32 (ties away, as cuBLAS and cuDNN convert): Hopper's
+    tensor cores read the top 19 bits of an fp32 register, a truncation that biased every product by about -2^-11
+    and left the TF32 cell's logits as far from fp32 as bf16's (docs/notes/parity.md). Anything else as it is."""
+    if PRECISION == "tf32" and t.dtype == tl.float32:
+        t = ((t.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    return t
+
+
+def round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 weights rounded to nearest TF32 once, when packed (tf32_operand does the activations in the kernel)."""
+    bits = t.to(torch.float32).contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+@triton.jit
 def _channel_operands(bias_ptr, scale_ptr, offs_n, n_ok, FP8: tl.constexpr):
     """The epilogue's per-output-channel operands: the folded bias, and FP8's scales (1.0 outside FP8)."""
     bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)
@@ -251,6 +267,7 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
         a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
         if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
             a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
+        a = tf32_operand(a, PRECISION)
         if W_KMAJOR:
             b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
         else:
@@ -422,8 +439,8 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
                           input_inv=1 / input_scale,
                           output_inv=E4M3_MAX / max(output_amax, 1e-30) if output_amax is not None else None,
                           output_dtype=torch.float8_e4m3fn if output_amax is not None else dtype)
-    if kmajor:
-        packed = packed.t()
+    if kmajor:  # K-major fp32 weights are TF32's (tl.dot reads them so): rounded to nearest TF32 here
+        packed = round_tf32(packed.t()) if dtype == torch.float32 else packed.t()
     return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=kmajor)
 
 

@@ -42,20 +42,6 @@ def block_conv_index(path: str) -> int:
     return int(conv[1]) if conv else 0
 
 
-def input_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
-    """The calibration pass: the largest |input| each convolution sees in an fp32 forward of `x`, by module path."""
-    amax: dict[str, float] = {}
-    hooks = [m.register_forward_pre_hook(lambda _m, inp, p=path: amax.__setitem__(p, inp[0].abs().max().item()))
-             for path, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
-    try:
-        with torch.no_grad():
-            model.float()(x.float())
-    finally:
-        for h in hooks:
-            h.remove()
-    return amax
-
-
 def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None, first: torch.Tensor | None = None,
               chain: PackedConv | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """relu(convs(x) + shortcut(x)) on NHWC `x`, every batch-norm, ReLU and the residual add fused into the convs;

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import SMEM_BYTES, PackedConv, _window_gemm, conv2d, fold_batch_norm, pack_conv
+from kernels.triton.conv import (SMEM_BYTES, PackedConv, _window_gemm, conv2d, fold_batch_norm, pack_conv,
+                                 tf32_operand)
 from kernels.triton.pool import max_pool2d
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
@@ -116,7 +117,7 @@ def _tiled_gemm(tiles, weights, first_tile, n0, ZW, CIN: tl.constexpr, PRECISION
     acc = tl.zeros((BLOCK_M, N), dtype=tl.float32)
     for step in range(9 * per_tap):
         tap = step // per_tap
-        a = tiles.load([first_tile + (tap // 3) * ZW + tap % 3, (step % per_tap) * BLOCK_K])
+        a = tf32_operand(tiles.load([first_tile + (tap // 3) * ZW + tap % 3, (step % per_tap) * BLOCK_K]), PRECISION)
         if W_KMAJOR:
             b = weights.load([n0, step * BLOCK_K]).T
         else:

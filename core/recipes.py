@@ -1,0 +1,224 @@
+"""What a rung computes at its dtype, written out in PyTorch: the reference that a low-precision cell is held to
+besides eager fp32 (core/parity.py, docs/notes/parity.md).
+
+Against fp32 a bf16 cell must be allowed bf16's rounding, about 1% of the logits, and a wrong network can hide
+inside that (a batch-norm scale x1.1 moves them 2%). Against a reference that rounds where the rung rounds, only
+the order of fp32 sums differs, and the allowed error shrinks by an order of magnitude. A recipe is named by the
+rung (`Tier.parity_recipe`):
+
+- `eager`: the eager rung itself at the cell's dtype and layout (the ATen kernels every eager-family rung calls);
+- `folded`: batch-norm folded into each convolution in fp64 and the weights rounded once to the dtype; the input
+  rounded to the dtype; each convolution accumulates in fp32, then adds its bias, the residual (read as stored) and
+  ReLU in fp32 and rounds once when it stores; the stem's max-pool after it; the average pool and the classifier
+  store the dtype too. The hand-written rungs compute this (kernels/triton, cpp/cudnn). `folded-fused-shortcut`:
+  the same with a downsample summed into the block's last convolution before that one rounding (triton's
+  fuse_shortcut), where `folded` rounds the downsample's output first (cudnn).
+- fp8 (`folded` at dtype fp8): triton's e4m3 recipe, every rounding of tiers/triton.py's FP8_RECIPE, with the
+  scales the rung calibrates (`calibration_amax`, on the calibration input, never on the parity input).
+
+TF32 rounds each multiplicand to nearest with 10 mantissa bits (`round_tf32`), as cuBLAS and cuDNN convert.
+
+A recipe is a specification written from the rung's documentation, independent of the rung's code: it shares no
+function with kernels/ (a bug in the rung's packing is not repeated here)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torchvision.models.resnet import BasicBlock, Bottleneck
+
+from core.model import make_input
+
+RECIPES = ("eager", "folded", "folded-fused-shortcut")
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+CALIBRATION_SEED = 2  # fp8's calibration input: neither the parity input (seed 0) nor the other input (seed 1)
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to TF32 (10 explicit mantissa bits), to nearest with ties away from zero (cvt.rna.tf32)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+STORED = {"bf16": torch.bfloat16, "fp16": torch.float16}  # tf32 stores fp32: it rounds its multiplicands only
+
+
+def rounder(dtype: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rounding of a stored value at the ladder's dtype (fp8: its bf16 outside the blocks), in fp32."""
+    stored = STORED.get(dtype)
+    return (lambda t: t.to(stored).float()) if stored else (lambda t: t.float())
+
+
+def fold(conv: torch.nn.Conv2d, bn: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The convolution with its eval-mode batch-norm folded in, in fp64: (weight, bias)."""
+    w = conv.weight.detach().double().cpu()
+    b = conv.bias.detach().double().cpu() if conv.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    if bn is not None:
+        s = bn.weight.detach().double().cpu() / torch.sqrt(bn.running_var.detach().double().cpu() + bn.eps)
+        w = w * s[:, None, None, None]
+        b = (b - bn.running_mean.detach().double().cpu()) * s + bn.bias.detach().double().cpu()
+    return w, b
+
+
+def calibration_input(batch: int, res: int) -> torch.Tensor:
+    return make_input(batch, res, seed=CALIBRATION_SEED)
+
+
+def calibration_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """fp8's calibration: the largest |input| each convolution sees in a strict fp32 forward of `x`, by module path."""
+    amax: dict[str, float] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, inp, p=path: amax.__setitem__(p, inp[0].abs().max().item()))
+             for path, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            model.float()(x.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        for h in hooks:
+            h.remove()
+    return amax
+
+
+class Folded:
+    """The `folded` recipe of a torchvision ResNet at `dtype`, on `device`; `fused_shortcut`: a downsample summed
+    into its block's last convolution before rounding (outside fp8). fp8: `amax` is the calibration
+    (calibration_amax), and `outer` the dtype of the stem, the classifier and the block boundaries (bf16; fp32 where
+    Triton's interpreter runs the rung, which has no bf16 arithmetic)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: str, device, fused_shortcut: bool,
+                 amax: dict[str, float] | None = None, outer: str = "bf16") -> None:
+        if dtype == "fp8" and amax is None:
+            raise ValueError("the fp8 recipe needs the calibration's amax (calibration_amax)")
+        self.model, self.dtype, self.device = model, dtype, device
+        self.fused_shortcut = fused_shortcut and dtype != "fp8"
+        self.amax = amax or {}
+        self.outer = outer if dtype == "fp8" else dtype
+        self.round = rounder(self.outer)
+
+    def weights(self, conv, bn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded weights rounded once from fp64 to the dtype (TF32: to fp32, then to nearest TF32), in fp32; the
+        bias in fp32."""
+        w, b = fold(conv, bn)
+        w = w.to(STORED.get(self.outer, torch.float32)).float()
+        return (round_tf32(w) if self.outer == "tf32" else w).to(self.device), b.float().to(self.device)
+
+    def conv(self, x, conv, bn) -> torch.Tensor:
+        """The fp32 accumulation of one convolution plus its bias (x: fp32 holding the stored values; TF32 rounds
+        them as it multiplies)."""
+        w, b = self.weights(conv, bn)
+        x = round_tf32(x) if self.outer == "tf32" else x
+        return F.conv2d(x, w, None, conv.stride, conv.padding) + b[None, :, None, None]
+
+    def conv_e4m3(self, x, path: str, conv, bn, stored_e4m3: bool) -> torch.Tensor:
+        """fp8: the e4m3 product's fp32 result scaled back plus the bias. `x` is the input as stored: e4m3 codes
+        (`stored_e4m3`, already in this convolution's input scale) or bf16 values, scaled and rounded here."""
+        w, b = fold(conv, bn)
+        packed = w.permute(2, 3, 1, 0).reshape(-1, w.shape[0])
+        w_scale = packed.abs().amax(0).clamp_min(1e-30) / E4M3_MAX
+        codes = (packed / w_scale).to(torch.float8_e4m3fn).float()
+        wq = codes.reshape(w.shape[2], w.shape[3], w.shape[1], w.shape[0]).permute(3, 2, 0, 1).to(self.device)
+        input_scale = max(self.amax[path], 1e-30) / E4M3_MAX
+        if not stored_e4m3:
+            inv = torch.tensor(1 / input_scale, dtype=torch.float32)
+            x = e4m3(x * inv.to(x.device))
+        scale = (w_scale * input_scale).to(torch.float32).to(self.device)
+        acc = F.conv2d(x, wq, None, conv.stride, conv.padding)
+        return acc * scale[None, :, None, None] + b.float().to(self.device)[None, :, None, None]
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            return self.forward(x.to(self.device).float())
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m, r = self.model, self.round
+        x = r(x)
+        x = r(F.max_pool2d(F.relu(self.conv(x, m.conv1, m.bn1)), 3, 2, 1))
+        for layer in (m.layer1, m.layer2, m.layer3, m.layer4):
+            for i, block in enumerate(layer):
+                x = self.block(x, block, f"{_layer_name(m, layer)}.{i}")
+        pooled = r(x.mean((2, 3)))
+        return r(self.conv(pooled[:, :, None, None], _as_conv(m.fc), None).flatten(1))
+
+    def block(self, x: torch.Tensor, block: torch.nn.Module, name: str) -> torch.Tensor:
+        r = self.round
+        names = ("1", "2", "3") if isinstance(block, Bottleneck) else ("1", "2")
+        if not isinstance(block, (BasicBlock, Bottleneck)):
+            raise ValueError(f"the folded recipe covers torchvision's BasicBlock and Bottleneck, not {type(block)}")
+        down = block.downsample
+        if self.dtype == "fp8":
+            identity = x if down is None else r(self.conv_e4m3(x, f"{name}.downsample.0", down[0], down[1], False))
+            h = x
+            for j, i in enumerate(names):
+                conv, bn = getattr(block, "conv" + i), getattr(block, "bn" + i)
+                acc = self.conv_e4m3(h, f"{name}.conv{i}", conv, bn, stored_e4m3=j > 0)
+                if j + 1 < len(names):  # stored in e4m3, in the next convolution's input scale
+                    inv = torch.tensor(E4M3_MAX / max(self.amax[f"{name}.conv{names[j + 1]}"], 1e-30),
+                                       dtype=torch.float32)
+                    h = e4m3(F.relu(acc) * inv.to(acc.device))
+                else:
+                    h = r(F.relu(acc + identity))
+            return h
+        h = x
+        for i in names[:-1]:
+            h = r(F.relu(self.conv(h, getattr(block, "conv" + i), getattr(block, "bn" + i))))
+        last = self.conv(h, getattr(block, "conv" + names[-1]), getattr(block, "bn" + names[-1]))
+        if down is None:
+            return r(F.relu(last + x))
+        shortcut = self.conv(x, down[0], down[1])
+        return r(F.relu(last + shortcut)) if self.fused_shortcut else r(F.relu(last + r(shortcut)))
+
+
+def e4m3(t: torch.Tensor) -> torch.Tensor:
+    """Saturated to e4m3's range, rounded to e4m3 (to nearest even), returned in fp32."""
+    return t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def _as_conv(fc: torch.nn.Linear) -> torch.nn.Conv2d:
+    """The classifier as the 1x1 convolution of the pooled features that the hand-written rungs run."""
+    conv = torch.nn.Conv2d(fc.in_features, fc.out_features, 1, device=fc.weight.device)
+    with torch.no_grad():
+        conv.weight.copy_(fc.weight[:, :, None, None])
+        conv.bias.copy_(fc.bias)
+    return conv
+
+
+def _layer_name(model: torch.nn.Module, layer: torch.nn.Module) -> str:
+    return next(name for name, m in model.named_children() if m is layer)
+
+
+def folded(model: torch.nn.Module, x: torch.Tensor, dtype: str, fused_shortcut: bool,
+           amax: dict[str, float] | None = None, outer: str = "bf16") -> torch.Tensor:
+    """The `folded` recipe's logits of `x` at `dtype` (fp32), computed on x's device."""
+    return Folded(model.eval(), dtype, x.device, fused_shortcut, amax, outer)(x)
+
+
+def recipe_output(recipe: str, model: torch.nn.Module, x: torch.Tensor, dtype: str, channels_last: bool,
+                  outer: str = "bf16") -> torch.Tensor:
+    """The logits of `recipe` (RECIPES) for `model` on `x` at `dtype`, in fp32, computed on x's device; `model` is
+    left as it was."""
+    import copy
+
+    from core.placement import memory_format, set_math_mode, torch_dtype
+
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown parity recipe {recipe!r}; valid: {', '.join(RECIPES)}")
+    model = copy.deepcopy(model).eval()
+    if recipe == "eager":  # the eager rung's own build (tiers/eager.py): the module at the dtype and layout
+        if dtype == "fp8":
+            raise ValueError("eager has no fp8 recipe")
+        set_math_mode(dtype)
+        fmt = memory_format(channels_last)
+        module = model.to(x.device, torch_dtype(dtype)).to(memory_format=fmt)
+        with torch.inference_mode():
+            return module(x.to(torch_dtype(dtype)).contiguous(memory_format=fmt)).float()
+    amax = (calibration_amax(copy.deepcopy(model).to(x.device),
+                             calibration_input(x.shape[0], x.shape[-1]).to(x.device)) if dtype == "fp8" else None)
+    return folded(model, x, dtype, recipe == "folded-fused-shortcut", amax, outer)
