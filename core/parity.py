@@ -116,3 +116,18 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> dict:
         "tolerance": tol,
         "reference": "eager fp32 (TF32 off), same input",
     }
+
+
+def verdict(out: torch.Tensor, ref: torch.Tensor, dtype: str, other: torch.Tensor | None = None,
+            eager: torch.Tensor | None = None, recipe: tuple[str, torch.Tensor] | None = None) -> dict:
+    """Every forward check of a cell, as the ladder applies them: the band against eager fp32 (`ref`), nearer
+    `ref` than another input's output (`other`) where the dtype asks it, the error as a ratio to `eager`'s at the
+    same dtype, and within RECIPE_TOLERANCES of the rung's `recipe` (name, output at the dtype)."""
+    parity = compare(out, ref, dtype)
+    if dtype in NEARER_THAN_ANOTHER_INPUT and other is not None:
+        parity = against_another_input(parity, other, ref, dtype)
+    if eager is not None:
+        parity = ratio_to_eager(parity, eager, ref)
+    if recipe is not None:
+        parity = against_recipe(parity, out, recipe[1], recipe[0], dtype)
+    return parity

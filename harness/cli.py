@@ -13,7 +13,8 @@ from pathlib import Path
 from core.cell import DTYPES, FRAMEWORK_DTYPES, TASKS
 from core.env import default_device
 from core.model import CLASSIFIERS
-from harness import accuracy, census_report, compare, ladder, layers_report, listing, micro, report
+from core.mutations import FORWARD, TRAINING
+from harness import accuracy, census_report, compare, ladder, layers_report, listing, micro, mutations, report
 from harness.contract import Protocol
 from harness.executor import EXECUTORS
 from harness.plan import LadderConfig
@@ -218,6 +219,19 @@ def parser() -> argparse.ArgumentParser:
                      "convolution, BatchNorm and epilogue), parity against eager fp32, against its roofline")
     mic.add_argument("--reps", type=_positive_int, default=50, help="--layers: timed calls per layer (default 50)")
 
+    mut = sub.add_parser("mutations", help="the parity checks against plausible wrong networks: every mutant, "
+                         "computed by each Python rung at each dtype, must fail and the right network pass; exit "
+                         "status 1 if not")
+    mut.add_argument("--model", default="resnet50", choices=CLASSIFIERS, metavar="MODEL")
+    mut.add_argument("--tiers", type=_list(str, mutations.RUNGS), default=list(mutations.RUNGS))
+    mut.add_argument("--batch", type=_positive_int, default=8)
+    mut.add_argument("--res", type=_positive_int, default=224)
+    mut.add_argument("--dtype", type=_list(str, DTYPES), default=list(DTYPES))
+    mut.add_argument("--mutants", type=_list(str, [m.name for m in FORWARD + TRAINING]), default=[],
+                     help="by name (default: all)")
+    mut.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    mut.add_argument("--out", type=Path, default=None, help="where mutations.json and mutations.md go")
+
     rep = sub.add_parser("report", help="re-render (and merge) results.jsonl or JSON files; a census.json (from "
                          "micro --tiers) alone: its side-by-side, markdown and plot again, beside it")
     rep.add_argument("inputs", type=Path, nargs="+")
@@ -310,6 +324,14 @@ def accuracy_config(args: argparse.Namespace) -> accuracy.AccuracyConfig:
     return accuracy.AccuracyConfig(**{k: v for k, v in vars(args).items() if k != "command"})
 
 
+def mutations_command(args: argparse.Namespace) -> int:
+    device = args.device or default_device()
+    config = mutations.MutationConfig(model=args.model, batch=args.batch, res=args.res, device=device,
+                                      rungs=tuple(args.tiers), dtypes=tuple(args.dtype), mutants=tuple(args.mutants),
+                                      train_dtypes=("fp32", "bf16") if device == "cuda" else ("fp32",))
+    return 0 if mutations.caught(mutations.run(config, args.out)) else 1
+
+
 COMMANDS = {
     "ladder": lambda a: ladder.run(ladder_config(a)),
     "sweep": lambda a: ladder.run(ladder_config(a)),
@@ -318,4 +340,5 @@ COMMANDS = {
     "report": lambda a: report_command(a),
     "compare": lambda a: compare.run(a.runs, a.threshold, a.markdown),
     "train-to-accuracy": lambda a: accuracy.run(accuracy_config(a)) or 0,
+    "mutations": mutations_command,
 }

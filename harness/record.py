@@ -12,7 +12,7 @@ from core.cell import Cell
 from core.env import source_revision, utc_now
 from core.flops import flops_per_group, flops_per_image
 from core.layers import convolutions, elements_per_group
-from core.parity import NEARER_THAN_ANOTHER_INPUT, against_another_input, against_recipe, compare, ratio_to_eager
+from core.parity import NEARER_THAN_ANOTHER_INPUT, verdict
 from core.placement import torch_dtype
 from core.stats import summarize
 from harness import census
@@ -182,17 +182,13 @@ def check_parity(ctx: Context, cell: Cell) -> dict:
         start = load_file(ctx.run.weights_for(cell.task))
         return train.compare(load_file(out), load_file(ref), start, cell.dtype)
     out, ref = model_io.read_tensor(out, "output"), model_io.read_tensor(ref, "output")
-    parity = compare(out, ref, cell.dtype)
-    if cell.dtype in NEARER_THAN_ANOTHER_INPUT:
-        other = model_io.read_tensor(ctx.run.reference(cell.batch, cell.res, cell.task, seed=1), "output")
-        parity = against_another_input(parity, other, ref, cell.dtype)
+    other = (model_io.read_tensor(ctx.run.reference(cell.batch, cell.res, cell.task, seed=1), "output")
+             if cell.dtype in NEARER_THAN_ANOTHER_INPUT else None)
+    keys = recipe_references(cell)
     refs = {k: model_io.read_tensor(ctx.run.reference(cell.batch, cell.res, recipe=key), "output")
-            for k, key in recipe_references(cell).items()}
-    if "eager" in refs:
-        parity = ratio_to_eager(parity, refs["eager"], ref)
-    if "recipe" in refs:
-        parity = against_recipe(parity, out, refs["recipe"], recipe_references(cell)["recipe"][0], cell.dtype)
-    return parity
+            for k, key in keys.items()}
+    return verdict(out, ref, cell.dtype, other, refs.get("eager"),
+                   (keys["recipe"][0], refs["recipe"]) if "recipe" in refs else None)
 
 
 def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: float) -> dict:

@@ -1,0 +1,215 @@
+"""`python -m harness mutations`: the parity checks against plausible wrong networks (core/mutations.py). Each
+forward mutant is computed by a rung itself (its weights, its input, or its launches made wrong) at every dtype the
+rung runs, and judged by the ladder's own checks (core.parity.verdict against the references the prepare stage
+makes); each training mutant is eager's step with its backward made wrong, judged by core.train.compare. Every row
+must fail, and the right network ("none") pass. Rows: mutations.json (a list), a table per task in mutations.md.
+
+In-process and one forward per row, so it takes the Python rungs (eager, triton); the C++ rungs are held to the
+same checks in every ladder cell. The triton rung's structural mutants change its launches in Python, so they run
+it with pairs and chains off and through Triton's own launch path (option values a user can set)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from core import train
+from core.cell import Cell, Store
+from core.env import device_slug, environment
+from core.files import write_text_atomic
+from core.model import build_model, make_input, num_classes, training_start
+from core.mutations import FORWARD, RIGHT, TRAINING, Mutant, check_names, mutant_input, shift_window
+from core.parity import verdict
+from core.placement import memory_format, set_math_mode, torch_dtype
+from core.recipes import recipe_output
+from harness.context import shipped_tunings
+from harness.report import markdown_table
+from tiers import get_tier
+
+RUNGS = ("eager", "triton")
+STRUCTURE_OPTIONS = (("chain", "off"), ("launch", "jit"), ("pairs", "off"))
+
+
+@dataclass(frozen=True)
+class MutationConfig:
+    model: str = "resnet50"
+    batch: int = 8
+    res: int = 224
+    device: str = "cuda"
+    rungs: tuple[str, ...] = RUNGS
+    dtypes: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+    mutants: tuple[str, ...] = ()  # forward and training mutants by name; empty: all
+    train_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    train_batch: int = 8
+    train_res: int = 64
+
+
+def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda r: None) -> list[dict]:
+    """One row per (rung, dtype, mutant): the right network and every forward mutant, each through the checks."""
+    mutants = [RIGHT] + check_names([n for n in config.mutants if n in {m.name for m in FORWARD}], FORWARD) \
+        if config.mutants else [RIGHT, *FORWARD]
+    model = build_model(config.model)
+    x = make_input(config.batch, config.res).to(config.device)
+    set_math_mode("fp32")
+    with torch.inference_mode():
+        ref = model.to(config.device)(x).float()
+        other = model(make_input(config.batch, config.res, seed=1).to(config.device)).float()
+    model = model.cpu()
+    gpu = device_slug(environment(config.device)) if config.device == "cuda" else None
+    rows = []
+    for rung in config.rungs:
+        tier = get_tier(rung)
+        for dtype in config.dtypes:
+            cell = Cell(tier=rung, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
+                        channels_last=True, device=config.device)
+            if not runs(tier, cell):
+                continue
+            eager = recipe_output("eager", model, x, "bf16" if dtype == "fp8" else dtype, True) \
+                if dtype != "fp32" else None
+            recipe = tier.parity_recipe(cell)
+            recipe_ref = (recipe, recipe_output(recipe, model, x, dtype, True)) if recipe and dtype != "fp32" \
+                else None
+            for mutant in mutants:
+                out = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
+                parity = verdict(out, ref, dtype, other, eager, recipe_ref)
+                row = {"task": "infer", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
+                       "rel_err": parity.get("rel_err"), "recipe_rel_err": (parity.get("recipe") or {}).get("rel_err"),
+                       "ratio_to_eager": parity.get("ratio_to_eager"), "reason": parity.get("reason"),
+                       "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
+                rows.append(row)
+                on_row(row)
+    return rows
+
+
+def runs(tier, cell: Cell) -> bool:
+    """Whether the rung computes this cell here: the ladder's rule, except that on the CPU eager also runs its
+    16-bit dtypes (slowly, but their checks are what the CPU test guards; the interpreter has no bf16)."""
+    if tier.availability(cell.device) or cell.dtype not in tier.dtypes:
+        return False
+    if cell.device == "cpu" and tier.name == "eager":
+        return cell.dtype in ("fp32", "fp16", "bf16")
+    return tier.supports(cell) is None
+
+
+def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store: Store) -> torch.Tensor:
+    """The rung's logits for the mutant: built on its (wrong) weights and fed its (wrong) input, or, for a
+    structural mutant of a rung other than eager, built on the right weights with its launches changed."""
+    set_math_mode(cell.dtype)
+    structural = mutant.kind == "structure" and tier.name != "eager"
+    if structural:
+        cell = replace(cell, options=STRUCTURE_OPTIONS)
+    example = mutant_input(mutant, x).to(torch_dtype(cell.dtype)).contiguous(
+        memory_format=memory_format(cell.channels_last))
+    built = tier.build(model if structural else mutant.model(model), example, cell, store)
+    if structural:
+        _break_launches(built.forward, mutant)
+    with torch.inference_mode():
+        return built.forward(example).float()
+
+
+def _break_launches(net: Any, mutant: Mutant) -> None:
+    """The triton rung's network with the structural mutant's bug in the launch of the convolution it names:
+    its block's last convolution without ReLU or without the residual, or conv2 on a window one pixel off."""
+    block, _, conv = mutant.target.rpartition(".") if mutant.target.count(".") == 2 else (mutant.target, "", "")
+    last = {path.split("+")[0]: path for path in net.paths.values()}
+    plain = net.conv
+
+    def conv_of(x, p, **kwargs):
+        path = net.paths.get(id(p), "")
+        if mutant.name == "padding-off-by-one" and path == mutant.target:
+            x = shift_window(x, (1, 2)).contiguous()  # NHWC
+        elif path.startswith(block + ".conv") and path == max(k for k in last if k.startswith(block + ".conv")):
+            if mutant.name == "relu-dropped":
+                kwargs["relu"] = False
+            elif mutant.name == "residual-dropped":
+                kwargs["residual"] = None
+        return plain(x, p, **kwargs)
+
+    net.conv = conv_of
+
+
+def training_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda r: None) -> list[dict]:
+    """One row per (dtype, mutant): eager's training step with the mutant's backward, against eager fp32 (NCHW,
+    strict), as the ladder's training cells are judged."""
+    mutants = [RIGHT] + (check_names([n for n in config.mutants if n in {m.name for m in TRAINING}], TRAINING)
+                         if config.mutants else list(TRAINING))
+    start = training_start(build_model(config.model))
+    initial = {k: v.detach().float().clone() for k, v in start.state_dict().items()}
+    x = make_input(config.train_batch, config.train_res).to(config.device)
+    ref = _steps(start, x, "fp32", False, None, config)
+    rows = []
+    for dtype in config.train_dtypes:
+        for mutant in mutants:
+            out = _steps(start, x, dtype, True, mutant.change, config)
+            parity = train.compare(out, ref, initial, dtype)
+            row = {"task": "train", "mutant": mutant.name, "dtype": dtype, "rung": "eager", "ok": parity["ok"],
+                   "rel_err": parity.get("rel_err"), "worst_group": parity.get("worst_group"),
+                   "worst_group_gain": parity.get("worst_group_gain"), "reason": parity.get("reason"),
+                   "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
+            rows.append(row)
+            on_row(row)
+    return rows
+
+
+def _steps(start, x, dtype: str, channels_last: bool, hook, config: MutationConfig) -> dict[str, torch.Tensor]:
+    import copy
+
+    set_math_mode(dtype)
+    cell = Cell(tier="eager", model=config.model, batch=x.shape[0], res=x.shape[-1], dtype=dtype,
+                channels_last=channels_last, device=config.device, task="train")
+    net = train.place_for_training(copy.deepcopy(start), cell)
+    if hook:
+        hook(net)
+    step = train.make_step(net, net, cell, num_classes(net))
+    x = x.contiguous(memory_format=memory_format(channels_last))
+    losses = [step(x) for _ in range(train.K_STEPS)]
+    return train.output_tensors(losses, train.state_of(net))
+
+
+def run(config: MutationConfig, out_dir: Path | None) -> list[dict]:
+    """Both suites, each row printed as it ends; mutations.json and mutations.md in `out_dir`."""
+    def show(row: dict) -> None:
+        verdict_ = "pass" if row["ok"] else "FAIL"
+        print(f"{row['task']:5} {row['rung']:7} {row['dtype']:5} {row['mutant']:26} {verdict_}  "
+              f"rel err {row['rel_err']:.2e}" + (f"  recipe {row['recipe_rel_err']:.2e}"
+                                                  if row.get("recipe_rel_err") is not None else ""), flush=True)
+
+    rows = forward_rows(config, show) + training_rows(config, show)
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out_dir / "mutations.json", json.dumps(rows, indent=1))
+        write_text_atomic(out_dir / "mutations.md", markdown(rows, config))
+    return rows
+
+
+def caught(rows: list[dict]) -> bool:
+    """Whether the suite did its job: every mutant failed and the right network passed, in every row."""
+    return all(r["ok"] == (r["mutant"] == "none") for r in rows)
+
+
+def markdown(rows: list[dict], config: MutationConfig) -> str:
+    """A table per task: a row per mutant, a column per rung and dtype, each cell the verdict and the error that
+    decided it (against the recipe where the rung has one, else against eager fp32)."""
+    parts = [f"# Parity against wrong networks: {config.model}, batch {config.batch}, res {config.res} "
+             f"(training: batch {config.train_batch}, res {config.train_res})\n",
+             f"Every mutant must fail and `none` pass: **{'all as they must' if caught(rows) else 'NOT ALL CAUGHT'}**."
+             " A cell: `fail`/`pass`, then the error that decided it (forward: against the rung's recipe at the "
+             "dtype, where it has one, else against eager fp32; training: the worst parameter tensor's gain).\n"]
+    for task in ("infer", "train"):
+        mine = [r for r in rows if r["task"] == task]
+        columns = list(dict.fromkeys(f"{r['rung']} {r['dtype']}" for r in mine))
+        table = []
+        for name in dict.fromkeys(r["mutant"] for r in mine):
+            line = {"mutant": name}
+            for r in (r for r in mine if r["mutant"] == name):
+                figure = (f"gain {r['worst_group_gain']:.2f}" if task == "train" else
+                          f"{r['recipe_rel_err'] if r.get('recipe_rel_err') is not None else r['rel_err']:.1e}")
+                line[f"{r['rung']} {r['dtype']}"] = f"{'pass' if r['ok'] else 'fail'} {figure}"
+            table.append(line)
+        if table:
+            parts.append(f"\n## {'Forward' if task == 'infer' else 'Training step'}\n\n"
+                         + "\n".join(markdown_table(table)) + "\n")
+    return "".join(parts)
