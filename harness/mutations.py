@@ -9,6 +9,7 @@ same checks in every ladder cell. The triton rung's structural mutants change it
 it with pairs and chains off and through Triton's own launch path (option values a user can set)."""
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -103,7 +104,9 @@ def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store
         cell = replace(cell, options=STRUCTURE_OPTIONS)
     example = mutant_input(mutant, x).to(torch_dtype(cell.dtype)).contiguous(
         memory_format=memory_format(cell.channels_last))
-    built = tier.build(model if structural else mutant.model(model), example, cell, store)
+    # a copy: a build may convert the module it is given in place (eager's place_model)
+    built = tier.build(copy.deepcopy(model) if structural else mutant.model(copy.deepcopy(model)), example, cell,
+                       store)
     if structural:
         _break_launches(built.forward, mutant)
     with torch.inference_mode():
@@ -155,8 +158,6 @@ def training_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambd
 
 
 def _steps(start, x, dtype: str, channels_last: bool, hook, config: MutationConfig) -> dict[str, torch.Tensor]:
-    import copy
-
     set_math_mode(dtype)
     cell = Cell(tier="eager", model=config.model, batch=x.shape[0], res=x.shape[-1], dtype=dtype,
                 channels_last=channels_last, device=config.device, task="train")
