@@ -9,14 +9,14 @@ rung (`Tier.parity_recipe`):
 - `eager`: the eager rung itself at the cell's dtype and layout (the ATen kernels every eager-family rung calls);
 - `folded`: batch-norm folded into each convolution in fp64 and the weights rounded once to the dtype; the input
   rounded to the dtype; each convolution accumulates in fp32, then adds its bias, the residual (read as stored) and
-  ReLU in fp32 and rounds once when it stores; the stem's max-pool after it; the average pool and the classifier
+  ReLU in fp32 and rounds once when it stores (TF32: fp32 storage, each value rounded to TF32 as it is stored); the stem's max-pool after it; the average pool and the classifier
   store the dtype too. The hand-written rungs compute this (kernels/triton, cpp/cudnn). `folded-fused-shortcut`:
   the same with a downsample summed into the block's last convolution before that one rounding (triton's
   fuse_shortcut), where `folded` rounds the downsample's output first (cudnn).
 - fp8 (`folded` at dtype fp8): triton's e4m3 recipe, every rounding of tiers/triton.py's FP8_RECIPE, with the
   scales the rung calibrates (`calibration_amax`, on the calibration input, never on the parity input).
 
-TF32 rounds each multiplicand to nearest with 10 mantissa bits (`round_tf32`), as cuBLAS and cuDNN convert.
+TF32 rounds to nearest with 10 mantissa bits (`round_tf32`), as cuBLAS and cuDNN convert their multiplicands.
 
 A recipe is a specification written from the rung's documentation, independent of the rung's code: it shares no
 function with kernels/ (a bug in the rung's packing is not repeated here)."""
@@ -41,11 +41,14 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
-STORED = {"bf16": torch.bfloat16, "fp16": torch.float16}  # tf32 stores fp32: it rounds its multiplicands only
+STORED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def rounder(dtype: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The rounding of a stored value at the ladder's dtype (fp8: its bf16 outside the blocks), in fp32."""
+    """The rounding of a stored value at the ladder's dtype (fp8: its bf16 outside the blocks), in fp32. TF32 keeps
+    fp32 storage, each value rounded to TF32 by the kernel that stores it, for the products that read it."""
+    if dtype == "tf32":
+        return round_tf32
     stored = STORED.get(dtype)
     return (lambda t: t.to(stored).float()) if stored else (lambda t: t.float())
 
@@ -106,10 +109,8 @@ class Folded:
         return (round_tf32(w) if self.outer == "tf32" else w).to(self.device), b.float().to(self.device)
 
     def conv(self, x, conv, bn) -> torch.Tensor:
-        """The fp32 accumulation of one convolution plus its bias (x: fp32 holding the stored values; TF32 rounds
-        them as it multiplies)."""
+        """The fp32 accumulation of one convolution plus its bias (x: fp32 holding the stored values)."""
         w, b = self.weights(conv, bn)
-        x = round_tf32(x) if self.outer == "tf32" else x
         return F.conv2d(x, w, None, conv.stride, conv.padding) + b[None, :, None, None]
 
     def conv_e4m3(self, x, path: str, conv, bn, stored_e4m3: bool) -> torch.Tensor:

@@ -76,8 +76,12 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
             for mutant in mutants:
                 out = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
                 parity = verdict(out, ref, dtype, other, eager, recipe_ref)
+                band = verdict(out, ref, dtype, other)  # the checks against fp32 alone, as before recipes
+                recipe_figures = parity.get("recipe") or {}
                 row = {"task": "infer", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
-                       "rel_err": parity.get("rel_err"), "recipe_rel_err": (parity.get("recipe") or {}).get("rel_err"),
+                       "band_ok": band["ok"], "rel_err": parity.get("rel_err"),
+                       "recipe_rel_err": recipe_figures.get("norm_rel_err"),
+                       "recipe_max_rel_err": recipe_figures.get("rel_err"),
                        "ratio_to_eager": parity.get("ratio_to_eager"), "reason": parity.get("reason"),
                        "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
                 rows.append(row)
@@ -175,7 +179,7 @@ def run(config: MutationConfig, out_dir: Path | None) -> list[dict]:
     def show(row: dict) -> None:
         verdict_ = "pass" if row["ok"] else "FAIL"
         print(f"{row['task']:5} {row['rung']:7} {row['dtype']:5} {row['mutant']:26} {verdict_}  "
-              f"rel err {row['rel_err']:.2e}" + (f"  recipe {row['recipe_rel_err']:.2e}"
+              f"rel err {row['rel_err']:.2e}" + (f"  recipe {row['recipe_rel_err']:.2e} (max {row['recipe_max_rel_err']:.2e})"
                                                   if row.get("recipe_rel_err") is not None else ""), flush=True)
 
     rows = forward_rows(config, show) + training_rows(config, show)
@@ -197,8 +201,9 @@ def markdown(rows: list[dict], config: MutationConfig) -> str:
     parts = [f"# Parity against wrong networks: {config.model}, batch {config.batch}, res {config.res} "
              f"(training: batch {config.train_batch}, res {config.train_res})\n",
              f"Every mutant must fail and `none` pass: **{'all as they must' if caught(rows) else 'NOT ALL CAUGHT'}**."
-             " A cell: `fail`/`pass`, then the error that decided it (forward: against the rung's recipe at the "
-             "dtype, where it has one, else against eager fp32; training: the worst parameter tensor's gain).\n"]
+             " A cell: `fail`/`pass`, then the error that decided it (forward: ||out - recipe|| / ||recipe|| against "
+             "the rung's recipe at the dtype where it has one, else max|out - ref| / max|ref| against eager fp32; "
+             "training: the worst parameter tensor's gain).\n"]
     for task in ("infer", "train"):
         mine = [r for r in rows if r["task"] == task]
         columns = list(dict.fromkeys(f"{r['rung']} {r['dtype']}" for r in mine))

@@ -127,17 +127,19 @@ def _split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def tf32_operand(t, PRECISION: tl.constexpr):
-    """A TF32 product's fp32 multiplicand rounded to nearest TF32 (ties away, as cuBLAS and cuDNN convert): Hopper's
-    tensor cores read the top 19 bits of an fp32 register, a truncation that biased every product by about -2^-11
-    and left the TF32 cell's logits as far from fp32 as bf16's (docs/notes/parity.md). Anything else as it is."""
+def tf32_round(t, PRECISION: tl.constexpr):
+    """Under TF32, an fp32 value that a product will read, rounded to nearest TF32 (ties away, as cuBLAS and cuDNN
+    convert) where it is stored: Hopper's tensor cores read the top 19 bits of an fp32 register, a truncation that
+    biased every product by about -2^-11 and left the TF32 cell's logits as far from fp32 as bf16's
+    (docs/notes/parity.md). Rounded once by its producer, a value costs the K loops nothing (rounded there, each
+    time it is loaded, bf16 batch 256 ran 14% slower). Anything else as it is."""
     if PRECISION == "tf32" and t.dtype == tl.float32:
         t = ((t.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
     return t
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 weights rounded to nearest TF32 once, when packed (tf32_operand does the activations in the kernel)."""
+    """fp32 weights rounded to nearest TF32 once, when packed (tf32_round does the activations as they are stored)."""
     bits = t.to(torch.float32).contiguous().view(torch.int32)
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
@@ -158,10 +160,10 @@ def _output_tile(offs_m, offs_n, M, COUT):
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LOAD_RES: tl.constexpr,
-              RELU: tl.constexpr, FP8: tl.constexpr):
+              RELU: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
     """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual (`res`, loaded
     early, or 0.0; with LOAD_RES loaded here, from res_ptr), ReLU; stored (in e4m3: scaled by 1 / the output's scale
-    and saturated first), and returned as stored. A large tile loads its residual here, after the bias is added:
+    and saturated first; under TF32 rounded to it), and returned as stored. A large tile loads its residual here, after the bias is added:
     loaded before (in the caller), it is live beside the accumulator and the bias, and a 128x128 tile needs 132
     registers instead of 128, one program per SM instead of two."""
     if FP8:
@@ -176,7 +178,7 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, ou
         acc = tl.maximum(acc, 0.0)
     if y_ptr.dtype.element_ty.is_fp8():
         acc = tl.clamp(acc * out_inv, -448.0, 448.0)
-    out = acc.to(y_ptr.dtype.element_ty)
+    out = tf32_round(acc.to(y_ptr.dtype.element_ty), PRECISION)
     tl.store(y_ptr + y_offs, out, mask=y_mask)
     return out  # as stored (kernels/triton/pair.py multiplies it on)
 
@@ -267,7 +269,6 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
         a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
         if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
             a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
-        a = tf32_operand(a, PRECISION)
         if W_KMAJOR:
             b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
         else:
@@ -361,7 +362,8 @@ def conv2d_nhwc_kernel(
     if not EARLY:
         bias, scale = _channel_operands(bias_ptr, scale_ptr, offs_n, n_ok, FP8)
     if SPLIT_K == 1:
-        _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
+        _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8,
+                      PRECISION)
     else:
         tiles = num_m * num_n
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -376,7 +378,8 @@ def conv2d_nhwc_kernel(
                                mask=m_ok[:, None], other=0.0,
                                cache_modifier=".cg")  # from L2, where the other SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-            _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8)
+            _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU, FP8,
+                      PRECISION)
 
 
 @dataclass

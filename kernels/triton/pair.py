@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights,
-                                 _window_gemm, tf32_operand)
+                                 _window_gemm, tf32_round)
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 
@@ -103,7 +103,7 @@ def conv_pair_kernel(
     if FP8:
         mid = tl.clamp(mid * mid_inv, -448.0, 448.0).to(tl.float8e4nv)
     else:
-        mid = tf32_operand(mid.to(x_ptr.dtype.element_ty), PRECISION)
+        mid = tf32_round(mid.to(x_ptr.dtype.element_ty), PRECISION)
 
     K2 = COUT + SC_CIN  # conv3's K: conv2's channels, then the block input's (the downsample's weights after)
     if SC_STRIDE > 0:  # each output pixel's pixel in the block's input
@@ -127,20 +127,20 @@ def conv_pair_kernel(
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < SC_CIN
                 a = tl.load(res_ptr + shortcut[:, None] + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tf32_operand(a, PRECISION)
                 acc2 = tl.dot(a, _weight_rows(w2_ptr, COUT + kk, offs_n, k_ok, n_ok, K2, COUT2, W_KMAJOR), acc2,
                               input_precision=PRECISION)
         bias2, scale2 = _channel_operands(bias2_ptr, scale2_ptr, offs_n, n_ok, FP8)
         out = _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, SC_STRIDE == 0,
-                        True, FP8)
+                        True, FP8, PRECISION)
         if C3 > 0:  # the slice as stored, into the next conv1 (in FP8 rounded to e4m3 as that conv1 would)
             if FP8:
                 out = tl.clamp(out.to(tl.float32) * a3_inv, -448.0, 448.0).to(tl.float8e4nv)
-            acc3 = tl.dot(tf32_operand(out, PRECISION), _weight_rows(w3_ptr, offs_n, offs_c3, n_ok, c3_ok, COUT2, C3, W_KMAJOR), acc3,
+            acc3 = tl.dot(out, _weight_rows(w3_ptr, offs_n, offs_c3, n_ok, c3_ok, COUT2, C3, W_KMAJOR), acc3,
                           input_precision=PRECISION)
     if C3 > 0:
         bias3, scale3 = _channel_operands(bias3_ptr, scale3_ptr, offs_c3, c3_ok, FP8)
-        _epilogue(acc3, offs_m, offs_c3, M, C3, bias3, scale3, 0.0, y3_ptr, y3_ptr, out3_inv, False, True, FP8)
+        _epilogue(acc3, offs_m, offs_c3, M, C3, bias3, scale3, 0.0, y3_ptr, y3_ptr, out3_inv, False, True, FP8,
+                  PRECISION)
 
 
 @triton.jit

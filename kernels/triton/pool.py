@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.conv import tf32_round
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import autotune, launch
 
@@ -45,7 +46,7 @@ def max_pool_nhwc_kernel(x_ptr, y_ptr, P, H, W, C, OH, OW,
 
 @autotune(_CONFIGS, key=["HW", "C"])
 @triton.jit
-def avg_pool_nhwc_kernel(x_ptr, y_ptr, HW, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+def avg_pool_nhwc_kernel(x_ptr, y_ptr, HW, C, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                          GDC: tl.constexpr = False):
     # One program: one image, BLOCK_C channels; walk its HW pixels BLOCK_P at a time, summing in fp32.
     wait_for_prior_kernel(GDC)
@@ -57,7 +58,7 @@ def avg_pool_nhwc_kernel(x_ptr, y_ptr, HW, C, BLOCK_P: tl.constexpr, BLOCK_C: tl
         v = tl.load(x_ptr + ((img * HW + offs_p) * C)[:, None] + offs_c[None, :],
                     mask=(offs_p < HW)[:, None] & (offs_c < C)[None, :], other=0.0)
         acc += tl.sum(v.to(tl.float32), axis=0)
-    tl.store(y_ptr + img * C + offs_c, (acc / HW).to(y_ptr.dtype.element_ty), mask=offs_c < C)
+    tl.store(y_ptr + img * C + offs_c, tf32_round((acc / HW).to(y_ptr.dtype.element_ty), PRECISION), mask=offs_c < C)
 
 
 def max_pool2d(x: torch.Tensor, k: int = 3, stride: int = 2, pad: int = 1, tune: bool = True,
@@ -75,13 +76,14 @@ def max_pool2d(x: torch.Tensor, k: int = 3, stride: int = 2, pad: int = 1, tune:
     return y
 
 
-def global_avg_pool(x: torch.Tensor, tune: bool = True, pdl: bool = False) -> torch.Tensor:
-    """NHWC [N, H, W, C] -> [N, C], the mean over the pixels."""
+def global_avg_pool(x: torch.Tensor, tune: bool = True, pdl: bool = False, precision: str = "ieee") -> torch.Tensor:
+    """NHWC [N, H, W, C] -> [N, C], the mean over the pixels (under TF32, `precision`, rounded to it for the
+    classifier's products)."""
     n, h, w, c = x.shape
     y = torch.empty((n, c), device=x.device, dtype=x.dtype)
 
     def grid(meta):
         return (n, triton.cdiv(c, meta["BLOCK_C"]))
 
-    launch(avg_pool_nhwc_kernel, grid, (x, y, h * w, c), tune, _FIXED, pdl)
+    launch(avg_pool_nhwc_kernel, grid, (x, y, h * w, c, precision), tune, _FIXED, pdl)
     return y

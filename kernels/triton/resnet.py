@@ -86,7 +86,7 @@ class TritonResNet:
         self.pair = partial(conv_pair, precision=precision, tune=tune, pdl=pdl)
         self.pairs, self.chains = pairs, chains
         self.stem_pool = partial(stem, precision=precision, tune=tune, pdl=pdl)
-        self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl)
+        self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl, precision=precision)
         kmajor = dtype == torch.float32 and precision == "tf32"
 
         def packing(path: str) -> dict:

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.conv import (SMEM_BYTES, PackedConv, _window_gemm, conv2d, fold_batch_norm, pack_conv,
-                                 tf32_operand)
+                                 tf32_round)
 from kernels.triton.pool import max_pool2d
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
@@ -117,7 +117,7 @@ def _tiled_gemm(tiles, weights, first_tile, n0, ZW, CIN: tl.constexpr, PRECISION
     acc = tl.zeros((BLOCK_M, N), dtype=tl.float32)
     for step in range(9 * per_tap):
         tap = step // per_tap
-        a = tf32_operand(tiles.load([first_tile + (tap // 3) * ZW + tap % 3, (step % per_tap) * BLOCK_K]), PRECISION)
+        a = tiles.load([first_tile + (tap // 3) * ZW + tap % 3, (step % per_tap) * BLOCK_K])
         if W_KMAJOR:
             b = weights.load([n0, step * BLOCK_K]).T
         else:
@@ -188,7 +188,8 @@ def stem_pool_kernel(
                                PRECISION, False, W_KMAJOR, 0, K_ALIGN, BLOCK_M, N4, BLOCK_K, 1)
         # bias and ReLU, rounded as the convolution would store them (max commutes with rounding); each cell's four
         # pixels (u, v) split apart (reshapes, a permutation and splits: no data moves), those past the image zeroed
-        q = tl.reshape(tl.maximum(acc + bias[None, :], 0.0).to(out_ty), (BLOCK_M, GROUPS, 2, 2, GROUP))
+        q = tl.reshape(tf32_round(tl.maximum(acc + bias[None, :], 0.0).to(out_ty), PRECISION),
+                       (BLOCK_M, GROUPS, 2, 2, GROUP))
         q = tl.reshape(tl.permute(q, (0, 1, 4, 2, 3)), (BLOCK_M, BLOCK_C, 2, 2))  # [BLOCK_M, BLOCK_C, u, v]
         col0, col1 = tl.split(q)  # [BLOCK_M, BLOCK_C, u] at v = 0 and v = 1
         p00, p10 = tl.split(col0)
@@ -218,7 +219,8 @@ def stem_pool_kernel(
           key=["PIXELS", "CIN"])
 @triton.jit
 def space_to_depth_kernel(x_ptr, z_ptr, PIXELS, H, W, ZH, ZW, CIN: tl.constexpr, CZ: tl.constexpr, F: tl.constexpr,
-                          PAD: tl.constexpr, BLOCK_PIXELS: tl.constexpr, GDC: tl.constexpr = False):
+                          PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_PIXELS: tl.constexpr,
+                          GDC: tl.constexpr = False):
     # z[n, a, b, (p * F + q) * CIN + c] = x[n, F * a + p - PAD, F * b + q - PAD, c]; zero outside x and past F * F * CIN
     # channels. A tile of BLOCK_PIXELS z pixels x CZ channels: the divisions once per pixel, the tap once per channel,
     # and each pixel's CZ channels stored as one contiguous run.
@@ -234,13 +236,14 @@ def space_to_depth_kernel(x_ptr, z_ptr, PIXELS, H, W, ZH, ZW, CIN: tl.constexpr,
     store_ok = (pixel < PIXELS)[:, None] & (ch < CZ)[None, :]
     ok = store_ok & (tap < F * F)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
     v = tl.load(x_ptr + ((img[:, None] * H + ih) * W + iw) * CIN + (ch % CIN)[None, :], mask=ok, other=0.0)
-    tl.store(z_ptr + pixel[:, None] * CZ + ch[None, :], v, mask=store_ok)
+    tl.store(z_ptr + pixel[:, None] * CZ + ch[None, :], tf32_round(v, PRECISION), mask=store_ok)
 
 
 def space_to_depth(x: torch.Tensor, tile: int, pad: int, size: tuple[int, int], channels: int, tune: bool = True,
-                   pdl: bool = False) -> torch.Tensor:
+                   pdl: bool = False, precision: str = "ieee") -> torch.Tensor:
     """NHWC `x` [N, H, W, C] -> [N, *size, channels]: each pixel of the result one tile x tile block of x's pixels,
-    the first block starting `pad` pixels before x's corner, zero outside x (and past tile * tile * C channels)."""
+    the first block starting `pad` pixels before x's corner, zero outside x (and past tile * tile * C channels); under
+    TF32 (`precision`) rounded to it, as the stem's products read it."""
     n, h, w, c = x.shape
     z = torch.empty((n, *size, channels), device=x.device, dtype=x.dtype)
     pixels = n * size[0] * size[1]
@@ -248,7 +251,7 @@ def space_to_depth(x: torch.Tensor, tile: int, pad: int, size: tuple[int, int], 
     def grid(meta):
         return (triton.cdiv(pixels, meta["BLOCK_PIXELS"]),)
 
-    launch(space_to_depth_kernel, grid, (x, z, pixels, h, w, *size, c, channels, tile, pad), tune,
+    launch(space_to_depth_kernel, grid, (x, z, pixels, h, w, *size, c, channels, tile, pad, precision), tune,
            dict(BLOCK_PIXELS=64, num_warps=4, num_stages=2), pdl)
     return z
 
@@ -322,10 +325,10 @@ def stem(x: torch.Tensor, p: PackedStem, precision: str = "ieee", tune: bool = T
     n, h, w, cin = x.shape
     oh, ow = (h + 2 * PAD - WINDOW) // STRIDE + 1, (w + 2 * PAD - WINDOW) // STRIDE + 1
     if not p.fused:  # the 4x4 window over 2x2 tiles: OH + 3 of them, from PAD pixels before the image
-        z = space_to_depth(x, 2, PAD, (oh + 3, ow + 3), SPACE_TO_DEPTH_CHANNELS, tune, pdl)
+        z = space_to_depth(x, 2, PAD, (oh + 3, ow + 3), SPACE_TO_DEPTH_CHANNELS, tune, pdl, precision)
         return max_pool2d(conv2d(z, p.conv, precision=precision, tune=tune, pdl=pdl), tune=tune, pdl=pdl)
     z = space_to_depth(x, TILE, TILE, (triton.cdiv(h, TILE) + 2, triton.cdiv(w, TILE) + 2), TILE * TILE * cin, tune,
-                       pdl)  # a zero tile around: the 3x3's padding, which the kernel's loads then need not mask
+                       pdl, precision)  # a zero tile around: the 3x3's padding, which the kernel's loads then need not mask
     zh, zw, c = z.shape[1], z.shape[2], p.channels
     ch, cw = triton.cdiv(oh, 2), triton.cdiv(ow, 2)  # = the pool's output size
     y = torch.empty((n, ch, cw, c), device=x.device, dtype=x.dtype)
