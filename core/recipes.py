@@ -22,6 +22,7 @@ A recipe is a specification written from the rung's documentation, independent o
 function with kernels/ (a bug in the rung's packing is not repeated here)."""
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from core.model import make_input
+from core.placement import memory_format, set_math_mode, torch_dtype
 
 RECIPES = ("eager", "folded", "folded-fused-shortcut")
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -205,10 +207,6 @@ def recipe_output(recipe: str, model: torch.nn.Module, x: torch.Tensor, dtype: s
                   outer: str = "bf16") -> torch.Tensor:
     """The logits of `recipe` (RECIPES) for `model` on `x` at `dtype`, in fp32, computed on x's device; `model` is
     left as it was."""
-    import copy
-
-    from core.placement import memory_format, set_math_mode, torch_dtype
-
     if recipe not in RECIPES:
         raise ValueError(f"unknown parity recipe {recipe!r}; valid: {', '.join(RECIPES)}")
     model = copy.deepcopy(model).eval()
