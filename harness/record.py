@@ -74,7 +74,13 @@ DEFINITIONS = {
              "weights and activations in that type",
     "parity": "output of the first forward vs eager fp32 (TF32 off) on the same input and weights: max_abs_err, "
               "rel_err = max_abs_err / max|ref|, cosine similarity, top-1 agreement (required on rows whose "
-              "reference top-1 margin exceeds twice the tolerance); ok = within the dtype's tolerance",
+              "reference top-1 margin exceeds twice the tolerance); ok = within the dtype's tolerance. Below fp32 "
+              "also: eager_rel_err (eager at the same dtype, bf16 for fp8) and ratio_to_eager = rel_err / it; "
+              "recipe (where the rung names one, core/recipes.py): the rung's roundings written in PyTorch at the "
+              "dtype, norm_rel_err = ||out - recipe|| / ||recipe||, ok = within core.parity.RECIPE_TOLERANCES (None: "
+              "recorded, not judged); ok then requires both. A training cell: each step's loss, the update over "
+              "all parameters, each parameter tensor's gain (<u, u_eager> / <u_eager, u_eager>, worst_group) and "
+              "the running statistics against eager fp32 (core/train.py)",
     "latency_ms": "warm per-iteration time of one forward (device-resident input, output left on device), CUDA "
                   "events recorded on the stream the rung issues its work on, one sync per iteration; statistics "
                   "over latency_samples_ms (raw). On the CPU: host wall clock",

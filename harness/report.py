@@ -107,6 +107,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "alloc MiB": _fmt(alloc / 2**20, ".0f") if alloc else "",
             "parity": ("" if par.get("ok") is None else
                        f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
+            "err/eager": _fmt(par.get("ratio_to_eager"), ".2f"),
+            "recipe err": _fmt((par.get("recipe") or {}).get("norm_rel_err"), ".1e"),
         })
     return out
 
@@ -253,8 +255,10 @@ def how_to_read(gpu: bool) -> str:
                       if gpu else "; bound, GPU MiB and alloc MiB are GPU figures, empty on the CPU")
     return (f"How to read it: {timing}; img/s = batch / median; pipelined = no sync between forwards; host us/call "
             f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
-            "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32. Full "
-            "definitions and raw samples are in the JSON.")
+            "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; err/eager = "
+            "that error over eager's at the same dtype (bf16 for fp8); recipe err = ||out-recipe||/||recipe|| "
+            "against the rung's own recipe at its dtype (docs/notes/parity.md). Full definitions and raw samples are "
+            "in the JSON.")
 
 
 def _get(r: dict, path: str):
@@ -278,6 +282,7 @@ CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, pl
     "time_to_first_result_s": "cold.time_to_first_result_s", "allocator_peak_bytes": "memory.allocator_peak_bytes",
     "nvml_process_peak_bytes": "memory.nvml_process_peak_bytes", "rss_peak_bytes": "memory.rss_peak_bytes",
     "img_per_joule": "utilisation.img_per_joule", "parity_ok": "parity.ok", "parity_rel_err": "parity.rel_err",
+    "parity_ratio_to_eager": "parity.ratio_to_eager", "parity_recipe_rel_err": "parity.recipe.norm_rel_err",
     "host": "where.host", "gpu": "where.gpu.name", "gpu_uuid": "where.gpu.uuid",
 }
 

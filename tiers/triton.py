@@ -231,10 +231,11 @@ class LayerCase:
         # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there); as
         # there, a bottleneck's conv1 and conv2 store their output in e4m3, which its conv2 and conv3 read.
         fp8 = dtype == "fp8" and not self.pooled
+        tf32 = tdt == torch.float32 and precision == "tf32"  # as the network packs it (kernels/triton/resnet.py)
         index = block_conv_index(layer.path) if fp8 else 0
         amax = self.x.abs().max().item()
         self.packed = pack(input_amax=amax, output_amax=self.reference.abs().max().item() if index in (1, 2) else None
-                           ) if fp8 else pack(kmajor=tdt == torch.float32 and precision == "tf32")
+                           ) if fp8 else pack(kmajor=tf32, tf32=tf32)
         ours_input = (self.nhwc.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn) if index > 1 else self.nhwc
         self.packed_bf16 = pack() if dtype == "fp8" else None
         self.kernel = "e4m3" if fp8 else str(tdt).removeprefix("torch.")

@@ -425,10 +425,11 @@ def fold_batch_norm(weight, bn=None, bias=None) -> tuple[torch.Tensor, torch.Ten
 
 
 def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, device="cpu", kmajor=False,
-              input_amax: float | None = None, output_amax: float | None = None) -> PackedConv:
+              input_amax: float | None = None, output_amax: float | None = None, tf32: bool = False) -> PackedConv:
     """Fold an eval-mode BatchNorm2d (`bn`) into the convolution (fold_batch_norm) and round it once to `dtype`;
     with `input_amax` (the largest |input| the calibration saw), to e4m3 with one scale for the weights and one for
-    the input, K-major, and with `output_amax` too (the largest |output|), writing its output in e4m3."""
+    the input, K-major, and with `output_amax` too (the largest |output|), writing its output in e4m3. `tf32`: fp32
+    weights rounded to nearest TF32, for a network whose products are TF32's."""
     w, b = fold_batch_norm(weight, bn, bias)
     cout, cin, kh, kw = w.shape
     packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
@@ -442,8 +443,10 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
                           input_inv=1 / input_scale,
                           output_inv=E4M3_MAX / max(output_amax, 1e-30) if output_amax is not None else None,
                           output_dtype=torch.float8_e4m3fn if output_amax is not None else dtype)
-    if kmajor:  # K-major fp32 weights are TF32's (tl.dot reads them so): rounded to nearest TF32 here
-        packed = round_tf32(packed.t()) if dtype == torch.float32 else packed.t()
+    if tf32:
+        packed = round_tf32(packed)
+    if kmajor:
+        packed = packed.t()
     return PackedConv(packed.to(device, dtype).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=kmajor)
 
 

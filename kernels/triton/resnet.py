@@ -91,21 +91,22 @@ class TritonResNet:
 
         def packing(path: str) -> dict:
             if not fp8_amax:
-                return {"kmajor": kmajor}
+                return {"kmajor": kmajor, "tf32": kmajor}
             # A convolution feeding the next one of its block (conv1 -> conv2 -> conv3) writes e4m3 in that one's
             # input scale; the block's last, and the downsample, write bf16 for the residual path.
             i = block_conv_index(path)
             return {"input_amax": fp8_amax[path], "output_amax": fp8_amax.get(f"{path[:-1]}{i + 1}") if i else None}
 
         # with its max-pool fused in, except in strict fp32, whose FMAs would pay the fused layout's multiplies
-        self.stem = _pack(model.conv1, model.bn1, dtype, device, pack_stem, kmajor=kmajor,
+        self.stem = _pack(model.conv1, model.bn1, dtype, device, pack_stem, kmajor=kmajor, tf32=kmajor,
                           fused=stem_fuses(dtype, precision))
         blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
                                                                     model.layer4)) for j in range(len(layer))]
         self.blocks = [pack_block(block, dtype, device, packing, f"{name}.") for name, block in zip(
             blocks, (b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer))]
         fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
-        self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device, kmajor=kmajor)
+        self.fc = pack_conv(fc.weight[:, :, None, None], bias=fc.bias, dtype=dtype, device=device, kmajor=kmajor,
+                            tf32=kmajor)
         # planned: each input shape's forward recorded once, then replayed (kernels/triton/plan.py)
         self.planned, self.plans, self.scoped = planned, {}, False
         # Each packed convolution's module path in the torchvision model (its batch-norm folded in), for the census.

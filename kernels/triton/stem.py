@@ -302,7 +302,7 @@ class PackedStem:
 
 
 def pack_stem(weight, stride=STRIDE, pad=PAD, bn=None, bias=None, dtype=torch.float32, device="cpu",
-              kmajor=False, fused=True) -> PackedStem:
+              kmajor=False, fused=True, tf32=False) -> PackedStem:
     """The stem's convolution ([C, CIN, 7, 7] `weight`, stride 2, padding 3) for `stem`, as pack_conv packs one
     (batch-norm folded in fp64, rounded once to `dtype`, K-major for TF32), its filter tiled (`fused`) or over 2x2-pixel tiles."""
     if (tuple(weight.shape[2:]) != (WINDOW, WINDOW) or (stride, pad) != (STRIDE, PAD)
@@ -313,7 +313,7 @@ def pack_stem(weight, stride=STRIDE, pad=PAD, bn=None, bias=None, dtype=torch.fl
     if fused:
         b = b.view(-1, 1, GROUP.value).expand(-1, 4, -1).reshape(-1)  # as tiled_filter's columns
     conv = pack_conv(tiled_filter(w) if fused else space_to_depth_filter(w), 1, 0, bias=b, dtype=dtype,
-                     device=device, kmajor=kmajor)
+                     device=device, kmajor=kmajor, tf32=tf32)
     return PackedStem(conv, w.shape[0], fused)
 
 
