@@ -50,8 +50,7 @@ class MutationConfig:
 
 def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda r: None) -> list[dict]:
     """One row per (rung, dtype, mutant): the right network and every forward mutant, each through the checks."""
-    mutants = [RIGHT] + check_names([n for n in config.mutants if n in {m.name for m in FORWARD}], FORWARD) \
-        if config.mutants else [RIGHT, *FORWARD]
+    mutants = [RIGHT, *chosen(config, FORWARD)]
     model = build_model(config.model)
     x = make_input(config.batch, config.res).to(config.device)
     set_math_mode("fp32")
@@ -89,6 +88,12 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
     return rows
 
 
+def chosen(config: MutationConfig, suite: tuple[Mutant, ...]) -> list[Mutant]:
+    """The mutants of `suite` that the config names (all of them where it names none at all)."""
+    check_names(list(config.mutants), FORWARD + TRAINING)
+    return [m for m in suite if m.name in config.mutants] if config.mutants else list(suite)
+
+
 def runs(tier, cell: Cell) -> bool:
     """Whether the rung computes this cell here: the ladder's rule, except that on the CPU eager also runs its
     16-bit dtypes (slowly, but their checks are what the CPU test guards; the interpreter has no bf16)."""
@@ -118,21 +123,19 @@ def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store
 
 
 def _break_launches(net: Any, mutant: Mutant) -> None:
-    """The triton rung's network with the structural mutant's bug in the launch of the convolution it names:
-    its block's last convolution without ReLU or without the residual, or conv2 on a window one pixel off."""
-    block, _, conv = mutant.target.rpartition(".") if mutant.target.count(".") == 2 else (mutant.target, "", "")
-    last = {path.split("+")[0]: path for path in net.paths.values()}
+    """The triton rung's network with the structural mutant's bug in the launch of the convolution it names: its
+    block's last convolution without ReLU or without the residual, or a convolution on a window one pixel off."""
     plain = net.conv
+    last = max((p for p in net.paths.values() if p.startswith(mutant.target + ".conv")), default=None)
 
     def conv_of(x, p, **kwargs):
-        path = net.paths.get(id(p), "")
+        path = net.paths.get(id(p))
         if mutant.name == "padding-off-by-one" and path == mutant.target:
             x = shift_window(x, (1, 2)).contiguous()  # NHWC
-        elif path.startswith(block + ".conv") and path == max(k for k in last if k.startswith(block + ".conv")):
-            if mutant.name == "relu-dropped":
-                kwargs["relu"] = False
-            elif mutant.name == "residual-dropped":
-                kwargs["residual"] = None
+        elif mutant.name == "relu-dropped" and path == last:
+            kwargs["relu"] = False
+        elif mutant.name == "residual-dropped" and path == last:
+            kwargs["residual"] = None
         return plain(x, p, **kwargs)
 
     net.conv = conv_of
@@ -141,8 +144,7 @@ def _break_launches(net: Any, mutant: Mutant) -> None:
 def training_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda r: None) -> list[dict]:
     """One row per (dtype, mutant): eager's training step with the mutant's backward, against eager fp32 (NCHW,
     strict), as the ladder's training cells are judged."""
-    mutants = [RIGHT] + (check_names([n for n in config.mutants if n in {m.name for m in TRAINING}], TRAINING)
-                         if config.mutants else list(TRAINING))
+    mutants = [RIGHT, *chosen(config, TRAINING)]
     start = training_start(build_model(config.model))
     initial = {k: v.detach().float().clone() for k, v in start.state_dict().items()}
     x = make_input(config.train_batch, config.train_res).to(config.device)
