@@ -22,8 +22,9 @@ A recipe is a specification written from the rung's documentation, independent o
 function with kernels/ (a bug in the rung's packing is not repeated here)."""
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -75,23 +76,31 @@ def calibration_amax(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float
     amax: dict[str, float] = {}
     hooks = [m.register_forward_pre_hook(lambda _m, inp, p=path: amax.__setitem__(p, inp[0].abs().max().item()))
              for path, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        with torch.no_grad():
+        with torch.no_grad(), strict_fp32():
             model.float()(x.float())
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         for h in hooks:
             h.remove()
     return amax
 
 
+@contextlib.contextmanager
+def strict_fp32() -> Iterator[None]:
+    """TF32 off in matmuls and convolutions while it lasts, as it was after."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
 class Folded:
     """The `folded` recipe of a torchvision ResNet at `dtype`, on `device`; `fused_shortcut`: a downsample summed
     into its block's last convolution before rounding (outside fp8). fp8: `amax` is the calibration
-    (calibration_amax), and `outer` the dtype of the stem, the classifier and the block boundaries (bf16; fp32 where
-    Triton's interpreter runs the rung, which has no bf16 arithmetic)."""
+    (calibration_amax), and `outer` the dtype of the stem, the classifier and the block boundaries (bf16; "tf32"
+    for the interpreter's fp8 network, which has no bf16 arithmetic: fp32 storage and TF32 products)."""
 
     def __init__(self, model: torch.nn.Module, dtype: str, device, fused_shortcut: bool,
                  amax: dict[str, float] | None = None, outer: str = "bf16") -> None:
@@ -133,12 +142,8 @@ class Folded:
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        try:
+        with strict_fp32():
             return self.forward(x.to(self.device).float())
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m, r = self.model, self.round
