@@ -27,6 +27,7 @@ from core.parity import verdict
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.recipes import recipe_output
 from harness.context import shipped_tunings
+from harness.record import recipe_references
 from harness.report import markdown_table
 from tiers import get_tier
 
@@ -67,11 +68,11 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                         channels_last=True, device=config.device)
             if not runs(tier, cell):
                 continue
-            eager = recipe_output("eager", model, x, "bf16" if dtype == "fp8" else dtype, True) \
-                if dtype != "fp32" else None
-            recipe = tier.parity_recipe(cell)
-            recipe_ref = (recipe, recipe_output(recipe, model, x, dtype, True)) if recipe and dtype != "fp32" \
-                else None
+            # the references the ladder's prepare stage makes for this cell (harness/record.py)
+            refs = {k: (name, recipe_output(name, model, x, at, layout != "nchw"))
+                    for k, (name, at, layout) in recipe_references(cell).items()}
+            eager = refs["eager"][1] if "eager" in refs else None
+            recipe_ref = refs.get("recipe")
             for mutant in mutants:
                 out = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
                 parity = verdict(out, ref, dtype, other, eager, recipe_ref)
