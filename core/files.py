@@ -3,6 +3,7 @@ never a part of one."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Callable
@@ -28,3 +29,18 @@ def write_text_atomic(path: Path, text: str) -> None:
             os.fsync(f.fileno())
 
     write_atomic(path, write)
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem that holds `path` (which may not exist yet)."""
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def disk_free(path: Path) -> str:
+    """`path`'s disk in words, for a message: its mount point and the MiB free on it."""
+    return f"the disk mounted at {mount_point(path)} ({shutil.disk_usage(mount_point(path)).free / 2**20:.0f} MiB free)"

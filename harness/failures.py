@@ -1,8 +1,14 @@
 """Why a child ended without a result: its status ('oom', 'crashed', 'error') and reason in one line."""
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
+
+from core.files import disk_free
+
+DISK_FULL_WORDS = ("no space left on device", "errno 28", "disk quota exceeded")
+DISK_NEARLY_FULL = 16 << 20  # free bytes under which a child's silent death is put down to the disk
 
 OOM_WORDS = ("out of memory", "outofmemoryerror", "cudaerrormemoryallocation", "std::bad_alloc", "cannot allocate")
 
@@ -19,9 +25,14 @@ def cgroup_oom_kills() -> int | None:
 
 
 def failure_status(returncode: int, error_line: str | None, stderr_tail: str,
-                   oom_killed: bool = False) -> tuple[str, str]:
-    """Classifies a child that did not finish: (status, reason). An allocator's refusal is 'oom' whoever reports it."""
+                   oom_killed: bool = False, disk: Path | None = None) -> tuple[str, str]:
+    """Classifies a child that did not finish: (status, reason). An allocator's refusal is 'oom' whoever reports it;
+    a write refused for space, or a death without a word while `disk` (the run directory) is full, is 'error' with
+    the disk named."""
     last = stderr_tail.strip().splitlines()[-1][-300:] if stderr_tail.strip() else ""
+    text = f"{error_line or ''} {stderr_tail}".lower()
+    if disk is not None and (any(w in text for w in DISK_FULL_WORDS) or shutil.disk_usage(disk).free < DISK_NEARLY_FULL):
+        return "error", f"disk full: {disk_free(disk)}; " + (error_line or last or f"exit code {returncode}, no output")
     if error_line:
         return ("oom" if any(w in error_line.lower() for w in OOM_WORDS) else "error"), error_line
     if any(w in stderr_tail.lower() for w in OOM_WORDS):

@@ -27,7 +27,7 @@ from harness.plan import LadderConfig, check_output_paths, command_line, fitting
 from harness.prepare import prepare
 from harness.record import document
 from harness.refusal import Refusal
-from harness.rundir import RunDir, RunLocked
+from harness.rundir import RecordNotSaved, RunDir, RunLocked
 from tiers import identity
 
 # Free disk a run directory needs before its first cell: the weights (98 MB for ResNet-50, twice for training), inputs,
@@ -87,15 +87,17 @@ def run_stages(config: LadderConfig) -> int:
                   isolation_check=config.isolation_check)
     try:
         interrupted, builds = measure(ctx, todo, records, config, console)
-    except OSError as e:  # a disk that filled up mid-run: what is recorded stays, the reason is one line
-        raise Refusal(f"writing failed: {e}; {len(records)} cells recorded in {run_dir.results}",
+    except OSError as e:  # a disk that filled up mid-run: what is on disk stays, the reason is one line
+        raise Refusal(f"{e if isinstance(e, RecordNotSaved) else f'writing failed: {e}'}; {on_disk(run_dir)} on disk "
+                      f"in {run_dir.results}; free space and run the same command to go on",
                       status=1) from None
     if interrupted:
         console.print(f"interrupted: {sum(r['status'] != 'interrupted' for r in records.values())} of {len(cells)} "
                       f"cells recorded in {run_dir.path}; the same command goes on from there", markup=False,
                       style="yellow")
     ordered_records = [records[identity(c)] for c in cells if identity(c) in records]
-    rerender = f"every cell is in {run_dir.results}, and `python -m harness report {run_dir.results}` renders them"
+    rerender = (f"{on_disk(run_dir)} in {run_dir.results}, and `python -m harness report {run_dir.results}` "
+                "renders them")
     try:
         write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
     except OSError as e:  # each report is written whole or not at all (core/files.py): the old one stays valid
@@ -103,6 +105,11 @@ def run_stages(config: LadderConfig) -> int:
     except KeyboardInterrupt:
         raise Refusal(f"interrupted while writing the reports; {rerender}", status=130) from None
     return 130 if interrupted else 0
+
+
+def on_disk(run_dir: RunDir) -> str:
+    n = run_dir.saved()
+    return f"{n} cell is" if n == 1 else f"{n} cells are"
 
 
 def run_metadata(run_dir: RunDir, config: LadderConfig, device: str, console: Console) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 the rungs' caches, and results.jsonl, to which each cell's record is appended (and fsynced) as it ends."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 from core import model as model_io
 from core import proc as procs
 from core.cell import Cell
-from core.files import write_atomic
+from core.files import disk_free, write_atomic
 from core.paths import REPO
 from harness.failures import failure_status
 from harness.refusal import Refusal
@@ -75,7 +76,8 @@ class RunDir:
         self._lock.flush()
 
     def check_writable(self, need_bytes: int) -> None:
-        """Before anything is measured: results.jsonl can be appended to, and the disk has `need_bytes` free.
+        """Before anything is measured: results.jsonl can be appended to, and the disk's free space and what the
+        directory already holds come to `need_bytes`.
         Raises OSError with the one line to show."""
         # a refused run leaves no results file behind: where there is none yet, a probe file stands in for it
         target = self.results if self.results.exists() else self.path / f".write-check.{os.getpid()}"
@@ -87,10 +89,10 @@ class RunDir:
         finally:
             if target != self.results:
                 target.unlink(missing_ok=True)
-        free = shutil.disk_usage(self.path).free
-        if free < need_bytes:
-            raise OSError(f"{self.path}: {free / 2**20:.0f} MiB free on its disk; a run here needs about "
-                          f"{need_bytes / 2**20:.0f} MiB (weights, references, caches)")
+        free, held = shutil.disk_usage(self.path).free, dir_bytes(self.path)
+        if free + held < need_bytes:  # what the directory already holds (a resumed run's weights, caches) counts
+            raise OSError(f"{self.path}: {free / 2**20:.0f} MiB free on its disk and {held / 2**20:.0f} MiB held "
+                          f"in it; a run here needs about {need_bytes / 2**20:.0f} MiB (weights, references, caches)")
 
     def weights_for(self, task: str) -> Path:
         """The weights a cell starts from: the run's, or for training the run's with residual branches damped
@@ -132,7 +134,7 @@ class RunDir:
             proc = procs.run([sys.executable, "-m", "harness.reference", *job], cwd=REPO, env=procs.child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
-                status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:])
+                status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:], disk=self.path)
                 name = f"{recipe[0]} {recipe[1]} recipe " if recipe else f"eager {what}"
                 self._failed_refs[key] = ("oom" if status == "oom" else "error",
                                           f"{name}reference (batch {batch}, res {res}) failed: {reason}")
@@ -170,20 +172,41 @@ class RunDir:
         return {identity(Cell.of_record(r)): r for r in read_jsonl(self.results) if r["status"] in KEPT}
 
     def append(self, record: dict) -> None:
-        """One write of one complete line, then fsync; a file whose last line lacks its newline (a crash mid-write)
-        gets one first, so the new record is never glued to the torn one."""
+        """All of one complete line, then fsync; a file whose last line lacks its newline (a crash mid-write) gets
+        one first, so the new record is never glued to the torn one. A write that stops short (a full disk) is cut
+        back to where the file ended, and raises RecordNotSaved: the record is either whole on disk or absent."""
         line = (json.dumps(record) + "\n").encode()
         fd = os.open(self.results, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            if os.fstat(fd).st_size:
+            size = os.fstat(fd).st_size
+            if size:
                 with open(self.results, "rb") as f:
                     f.seek(-1, os.SEEK_END)
                     if f.read(1) != b"\n":
                         line = b"\n" + line
-            os.write(fd, line)
-            os.fsync(fd)
+            try:
+                left = memoryview(line)
+                while left:  # os.write may take only part of the bytes (a disk that fills between two calls)
+                    written = os.write(fd, left)
+                    if not written:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    left = left[written:]
+                os.fsync(fd)
+            except OSError as e:
+                os.ftruncate(fd, size)
+                cell = f"{record.get('label')} b{record.get('batch')} {record.get('dtype')}"
+                raise RecordNotSaved(f"{cell} not saved: writing {self.results} failed ({e.strerror}) on "
+                                     f"{disk_free(self.results)}") from None
         finally:
             os.close(fd)
+
+    def saved(self) -> int:
+        """How many records results.jsonl holds whole: what a message may say is on disk."""
+        return len(read_jsonl(self.results)) if self.results.exists() else 0
+
+
+class RecordNotSaved(OSError):
+    """A record that did not reach results.jsonl whole (the file is as it was before it)."""
 
 
 class ReferenceFailed(Exception):

@@ -250,7 +250,7 @@ class ChildRun:
                 recorded += 1
                 continue
             if i in self.errors:
-                status, reason = failure_status(0, self.errors[i], "")
+                status, reason = failure_status(0, self.errors[i], "", disk=self.ctx.run.path)
                 self.on_record({**record, "status": status, "reason": reason})
                 recorded += 1
                 if len(jobs) > 1:
@@ -267,7 +267,8 @@ class ChildRun:
                 self.on_record({**record, "status": "timeout", "stderr_tail": ended.stderr_tail,
                                 "reason": f"no result after {self.ctx.protocol.timeout_s:g} s (last phase: {phase})"})
             else:
-                status, reason = failure_status(ended.returncode, None, ended.stderr_tail, ended.oom_killed)
+                status, reason = failure_status(ended.returncode, None, ended.stderr_tail, ended.oom_killed,
+                                                disk=self.ctx.run.path)
                 self.on_record({**record, "status": status, "reason": reason, "last_phase": phase,
                                 "stderr_tail": ended.stderr_tail})
             return recorded + 1

@@ -1,7 +1,9 @@
 """The ladder end to end on the CPU: real rungs in real child processes, real reports."""
 import dataclasses
 import datetime
+import errno
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -9,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from harness.rundir import read_jsonl as records_in
 from tests.conftest import FAST, REPO, ladder, ladder_command, records
 
 
@@ -368,6 +373,77 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("ladder: batch 100000 at res 224 needs about") and "the largest batch that fits is" in line
     assert not (tmp_path / "results.jsonl").exists() and not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_short_write_leaves_no_half_record_and_names_the_disk(tmp_path, monkeypatch):
+    """The disk fills after half a record's line is written: the file is cut back to its last whole record, and
+    the error names the cell and the disk."""
+    from harness import rundir
+
+    run = rundir.RunDir(tmp_path, "resnet18", "cpu")
+    first = {"label": "eager", "batch": 1, "dtype": "fp32", "status": "ok"}
+    run.append(first)
+    write, calls = os.write, []
+
+    def fills_up(fd, data):  # the first call takes half the bytes, the next finds the disk full
+        calls.append(len(data))
+        if len(calls) == 1:
+            return write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(rundir.os, "write", fills_up)
+    with pytest.raises(rundir.RecordNotSaved, match=r"^eager b2 fp32 not saved: writing .* failed \(No space left "
+                                                     r"on device\) on the disk mounted at /"):
+        run.append({**first, "batch": 2})
+    monkeypatch.undo()
+    assert len(calls) == 2 and run.results.read_text() == json.dumps(first) + "\n" and run.saved() == 1
+
+
+def test_the_free_space_check_counts_what_the_run_directory_holds(tmp_path):
+    from harness.rundir import RunDir
+
+    run = RunDir(tmp_path, "resnet18", "cpu")
+    (tmp_path / "resnet18.weights.safetensors").write_bytes(b"\0" * (8 << 20))  # a resumed run's weights
+    run.check_writable(shutil.disk_usage(tmp_path).free + (4 << 20))
+    with pytest.raises(OSError, match="MiB free on its disk and 8 MiB held in it; a run here needs about"):
+        run.check_writable(shutil.disk_usage(tmp_path).free + (12 << 20))
+
+
+def test_a_child_that_dies_on_a_full_disk_says_so(tmp_path):
+    from harness.failures import failure_status
+
+    status, reason = failure_status(1, None, "OSError: [Errno 28] No space left on device", disk=tmp_path)
+    assert status == "error" and reason.startswith("disk full: the disk mounted at /") and "Errno 28" in reason
+    assert failure_status(1, None, "", disk=tmp_path) == ("crashed", "exit code 1: no output")  # this disk has room
+
+
+def test_a_disk_that_fills_mid_run_loses_no_record_silently(tmp_path):
+    """results.jsonl on a tmpfs of one page, which holds one record (about 2.7 KB) and part of a second: the
+    ladder stops at the second cell, saying it was not saved, on which disk, and how many cells are on disk (one,
+    whole); nothing half-written stays."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(small)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({' '.join(mounted.stderr.split())}); the short write is injected "
+                    "in test_a_short_write_leaves_no_half_record_and_names_the_disk")
+    try:
+        out = tmp_path / "run"
+        out.mkdir()
+        (out / "results.jsonl").symlink_to(small / "results.jsonl")
+        proc = ladder(out, "--tiers", "eager", "--model", "resnet18", "--batch", "1,2", "--res", "32")
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        line = " ".join(proc.stderr.split())
+        assert (f"eager b2 fp32 not saved: writing {out / 'results.jsonl'} failed (No space left on device) on the "
+                f"disk mounted at {small} (0 MiB free); 1 cell is on disk in {out / 'results.jsonl'}") in line, line
+        assert [r["batch"] for r in records_in(out / "results.jsonl")] == [1]
+        assert (small / "results.jsonl").read_text().endswith("}\n")
+        from harness.failures import failure_status
+        status, reason = failure_status(1, None, "", disk=small)  # a child that died without a word on it
+        assert status == "error" and reason.startswith(f"disk full: the disk mounted at {small} (0 MiB free)")
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_a_busy_child_of_the_ladder_that_ends_inside_the_window_is_still_its_own():

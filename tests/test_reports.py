@@ -11,6 +11,10 @@ from conftest import FAST, REPO
 from harness import compare, plots, report
 
 ENV80 = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
+# The two sweeps that compare judges run each cell on one intra-op thread. With two threads on a 2-core host, a cell
+# shares its second core with the ladder's own process and the test runner: the same eager batch-2 cell measured
+# 9 ms in one run and 18 ms in the next (beyond the CPU noise floor), as whatever else ran took that core or not.
+ONE_THREAD = {**ENV80, "OMP_NUM_THREADS": "1"}
 
 
 def harness(*args: str, env=ENV80, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -23,7 +27,8 @@ def sweep(tmp_path_factory):
     """A real CPU sweep over two rungs and two batch sizes, in an 80-column terminal."""
     out = tmp_path_factory.mktemp("sweep")
     proc = harness("sweep", "--device", "cpu", "--tiers", "eager,onnxruntime,tensorrt", "--model", "resnet18",
-                   "--batch", "1,2", "--res", "32", "--out", str(out), "--csv", str(out / "ladder.csv"), *FAST)
+                   "--batch", "1,2", "--res", "32", "--out", str(out), "--csv", str(out / "ladder.csv"), *FAST,
+                   env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -165,7 +170,7 @@ def sweep_again(tmp_path_factory):
     """`sweep`'s eager cells, run again: the same code on the same machine."""
     out = tmp_path_factory.mktemp("sweep-again")
     proc = harness("sweep", "--device", "cpu", "--tiers", "eager", "--model", "resnet18",
-                   "--batch", "1,2", "--res", "32", "--out", str(out), *FAST)
+                   "--batch", "1,2", "--res", "32", "--out", str(out), *FAST, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
