@@ -198,13 +198,16 @@ def parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser("compare", help="B against A, cell by cell, with a bootstrap CI of the median's ratio "
                          "(several runs a side: their spread in the interval; one: each cell's noise floor); exit "
-                         "status 1 on any regression")
+                         "status 1 on any regression, 3 when no cell could be judged")
     cmp.add_argument("runs", type=Path, nargs="+", metavar="RUN",
                      help="ladder.json or results.jsonl files: A B (baseline, candidate), or A1 A2 ... -- B1 B2 ... "
                      "(several runs of each side)")
     cmp.add_argument("--threshold", type=_share, default=0.03,
                      help="smallest change called a regression or an improvement (default 3%%)")
     cmp.add_argument("--markdown", type=Path, help="write the comparison as markdown here")
+    cmp.add_argument("--include-contended", action="store_true",
+                     help="judge cells measured beside another busy process too, marked as such (default: shown, "
+                          "not judged)")
 
     mic = sub.add_parser("micro", parents=[lad], help="where each rung's time goes: --tiers A,B,...: each rung's "
                          "kernel census side by side, by layer group; --tier NAME: a hand-written rung's per-layer "
@@ -338,7 +341,7 @@ COMMANDS = {
     "tiers": lambda a: listing.show(),
     "micro": lambda a: micro_command(a),
     "report": lambda a: report_command(a),
-    "compare": lambda a: compare.run(a.runs, a.threshold, a.markdown),
+    "compare": lambda a: compare.run(a.runs, a.threshold, a.markdown, a.include_contended),
     "train-to-accuracy": lambda a: accuracy.run(accuracy_config(a)) or 0,
     "mutations": mutations_command,
 }

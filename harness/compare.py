@@ -95,8 +95,7 @@ def side_status(records: list[dict]) -> str:
 
 def timed(a: list[dict], b: list[dict], threshold: float) -> dict:
     """The figures and verdict of a cell that every run of both sides measured."""
-    a_ms = float(np.mean([r["latency_ms"]["median"] for r in a]))
-    b_ms = float(np.mean([r["latency_ms"]["median"] for r in b]))
+    a_ms, b_ms = mean_median(a), mean_median(b)
     row = {"a_ms": a_ms, "b_ms": b_ms, "host_bound": any(bound(r) == "host" for r in a + b)}
     samples = [[r.get("latency_samples_ms") for r in side] for side in (a, b)]
     if not all(all(s) for s in samples):
@@ -111,9 +110,12 @@ def timed(a: list[dict], b: list[dict], threshold: float) -> dict:
             "verdict": verdict(ratio, low, high, needed)}
 
 
-def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float) -> list[dict]:
+def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float,
+            include_contended: bool = False) -> list[dict]:
     """One row per cell of any run: its latencies (the mean of each side's run medians), the ratio B/A with its 95%
-    CI, the verdict and its basis (between-run spread, or the cell's noise floor)."""
+    CI, the verdict and its basis (between-run spread, or the cell's noise floor). A cell measured beside another
+    busy process in any run shows its medians but is not judged, unless `include_contended` (its basis then says
+    so)."""
     def by_cell(runs: list[list[dict]]) -> dict[str, list[dict]]:
         cells: dict[str, list[dict]] = {}
         for run in runs:
@@ -139,12 +141,29 @@ def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float
                 row["verdict"] = f"regression: now {sb}"
         elif not all(ranked(x) for x in a + b):
             row["verdict"] = "interpreted: not a speed"
-        elif any((x.get("contention") or {}).get("flagged") for x in a + b):  # it measured another process too
-            row["verdict"] = "contended: not compared"
+        elif contended(a + b) and not include_contended:  # it measured another process too
+            row.update(a_ms=mean_median(a), b_ms=mean_median(b), verdict=CONTENDED)
         else:
             row.update(timed(a, b, threshold))
+            if contended(a + b):
+                row["basis"] += ", contended"
         out.append(row)
     return out
+
+
+CONTENDED = "contended: not judged"
+
+
+def contended(records: list[dict]) -> bool:
+    return any((r.get("contention") or {}).get("flagged") for r in records)
+
+
+def mean_median(records: list[dict]) -> float:
+    return float(np.mean([r["latency_ms"]["median"] for r in records]))
+
+
+def judged(row: dict) -> bool:
+    return row["verdict"] in ("regression", "improvement", "within noise")
 
 
 def regressions(rows: list[dict]) -> int:
@@ -193,7 +212,8 @@ def how_to_read(threshold: float) -> str:
             f"{NOISE_FLOOR['gpu']:.0%}; host: the other GPU cells, {NOISE_FLOOR['host']:.0%}; cpu: "
             f"{NOISE_FLOOR['cpu']:.0%}; docs/notes/compare-noise-floor.md). "
             "Basis 'N+M runs': the runs' spread is in the interval. (host) marks host-bound cells. A cell measured "
-            "beside another busy process in any run (contention.flagged) is not compared.")
+            "beside another busy process in any run (contention.flagged) shows its medians and is not judged, "
+            "unless --include-contended (its basis then ends 'contended').")
 
 
 def markdown(rows: list[dict], a: str, b: str, threshold: float) -> str:
@@ -230,11 +250,15 @@ def load_side(paths: list[Path]) -> list[list[dict]]:
     return runs
 
 
-def run(paths: list[Path], threshold: float, markdown_path: Path | None) -> int:
+NOTHING_JUDGED = 3  # the exit status when no cell could be judged: no verdict is not "no regression"
+
+
+def run(paths: list[Path], threshold: float, markdown_path: Path | None, include_contended: bool = False) -> int:
     """`python -m harness compare A B` or `A1 A2 -- B1 B2`: the table, a summary line, the markdown if asked; 1 on a
-    regression. Raises BadInput for files that are not results."""
+    regression, NOTHING_JUDGED when no cell was judged (the runs share none, or none was measured cleanly). Raises
+    BadInput for files that are not results."""
     a_paths, b_paths = split_sides(paths)
-    rows = compare(load_side(a_paths), load_side(b_paths), threshold=threshold)
+    rows = compare(load_side(a_paths), load_side(b_paths), threshold, include_contended)
     a, b = " ".join(map(str, a_paths)), " ".join(map(str, b_paths))
     console = Console()
     left_out = {r["verdict"] for r in rows if r["verdict"].startswith("only in") or r["verdict"].endswith(" in both")}
@@ -245,11 +269,21 @@ def run(paths: list[Path], threshold: float, markdown_path: Path | None) -> int:
     n = regressions(rows)
     changed = sum(r["verdict"] == "improvement" for r in rows)
     floors = sum(r["basis"].startswith("floor") for r in rows)
+    not_judged = sum(not judged(r) for r in rows)
     console.print(f"{n} regression{'s' if n != 1 else ''}, {changed} improvement{'s' if changed != 1 else ''}, "
-                  f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise (threshold {threshold:.1%}; "
-                  f"95% bootstrap CI of the ratio; {floors} cells by their noise floor, "
-                  f"{sum(r['basis'].endswith('runs') for r in rows)} by the spread between runs)", markup=False)
+                  f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise, {not_judged} not judged "
+                  f"(threshold {threshold:.1%}; 95% bootstrap CI of the ratio; {floors} cells by their noise floor, "
+                  f"{sum(r['basis'].startswith(tuple('0123456789')) for r in rows)} by the spread between runs)",
+                  markup=False)
     if markdown_path:
         markdown_path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(markdown_path, markdown(rows, a, b, threshold))
-    return 1 if n else 0
+    if n:
+        return 1
+    if not any(judged(r) for r in rows):
+        shared = sum(bool(r["a_runs"] and r["b_runs"]) for r in rows)
+        why = ("the runs share no cell" if not shared else f"none of the {shared} cells the runs share was measured "
+               "in both without a failure or other load (--include-contended judges contended ones)")
+        console.print(f"nothing judged: {why}", markup=False, style="red")
+        return NOTHING_JUDGED
+    return 0
