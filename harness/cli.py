@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(f"{args.command}: {e}", e.status)
     except report.BadInput as e:
         return refuse(f"{args.command}: {e}")
+    except KeyboardInterrupt:  # a command without stages of its own to keep (ladder's keep every finished cell)
+        return refuse(f"{args.command}: interrupted", 130)
 
 
 def sides_marked(argv: list[str]) -> list[str]:

@@ -25,7 +25,7 @@ from harness.executor import run_units
 from harness.measure import ordered
 from harness.plan import LadderConfig, check_output_paths, command_line, fitting, plan, run_identity
 from harness.prepare import prepare
-from harness.record import document
+from harness.record import contended_line, document
 from harness.refusal import Refusal
 from harness.rundir import RecordNotSaved, RunDir, RunLocked
 from tiers import identity
@@ -191,6 +191,8 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     for line in report.fastest_lines(records):
         console.print(line, markup=False)
+    if contended_line(records):
+        console.print(contended_line(records), markup=False, style="yellow")
     if report.ray_line(records):
         console.print(report.ray_line(records), markup=False)
     if meta["environment"].get("host_cpu"):

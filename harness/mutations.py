@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from core import train
-from core.cell import Cell, Store
+from core.cell import DTYPES, Cell, Store
 from core.env import device_slug, environment
 from core.files import write_text_atomic
 from core.model import build_model, make_input, num_classes, training_start
@@ -42,7 +42,7 @@ class MutationConfig:
     res: int = 224
     device: str = "cuda"
     rungs: tuple[str, ...] = RUNGS
-    dtypes: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+    dtypes: tuple[str, ...] = DTYPES
     mutants: tuple[str, ...] = ()  # forward and training mutants by name; empty: all
     train_dtypes: tuple[str, ...] = ("fp32", "bf16")
     train_batch: int = 8

@@ -7,8 +7,9 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+from core.cell import DTYPES
 from harness.census import comparable
-from harness.record import ranked
+from harness.record import CONTENDED_MARK, contended, ranked
 
 MIB = 2**20
 TASK_NAMES = {"infer": "inference", "train": "training"}
@@ -79,7 +80,7 @@ def _by_panel(ok: list[dict]) -> dict[tuple, list[dict]]:
     panels = defaultdict(list)
     for r in ok:
         panels[(r.get("task", "infer"), r["dtype"], _layout(r), r["res"])].append(r)
-    order = {d: i for i, d in enumerate(("fp32", "tf32", "fp16", "bf16"))}
+    order = {d: i for i, d in enumerate(DTYPES)}
     return dict(sorted(panels.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9), kv[0][2:])))
 
 
@@ -333,6 +334,9 @@ PLOTS = {  # file stem: (caption, drawer)
 def write_plots(doc: dict, directory: Path) -> list[tuple[str, Path]]:
     """Every plot the document has data for, as PNG files in `directory`: [(caption, path)]."""
     directory.mkdir(parents=True, exist_ok=True)
+    # a cell timed beside other load is its own series, named so in every legend and axis
+    doc = {**doc, "results": [{**r, "label": r["label"] + CONTENDED_MARK} if contended(r) else r
+                              for r in doc["results"]]}
     written = []
     for stem, (caption, draw) in PLOTS.items():
         try:

@@ -136,6 +136,25 @@ def ranked(r: dict) -> bool:
     return r["status"] == "ok" and not r.get("interpreted")
 
 
+def contended(r: dict) -> bool:
+    """Whether the cell was timed beside another busy process (its figures include that load)."""
+    return bool((r.get("contention") or {}).get("flagged"))
+
+
+CONTENDED_MARK = " (contended)"
+
+
+def contended_line(records: list[dict]) -> str | None:
+    """The run's summary of cells measured beside other load, or None where there are none."""
+    busy = [r for r in records if r["status"] == "ok" and contended(r)]
+    if not busy:
+        return None
+    most = max(r["contention"].get("other_cpus_busy") or 0 for r in busy)
+    return (f"{len(busy)} of {sum(r['status'] == 'ok' for r in records)} measured cells ran beside other load "
+            f"(marked 'contended'; other processes kept up to {most:.1f} CPUs busy): their figures include that "
+            "load, and they are not a speed of the rung alone.")
+
+
 def bound(r: dict) -> str | None:
     """'host' or 'gpu': what a cell's latency measures (DEFINITIONS['bound'])."""
     if r["status"] != "ok" or r["device"] != "cuda" or not r.get("host_overhead_us"):

@@ -15,7 +15,8 @@ from rich.text import Text
 from core.cell import Cell, layout_name
 from core.files import write_text_atomic
 from harness.plots import write_plots
-from harness.record import bound, document, ranked
+from core.cell import DTYPES
+from harness.record import CONTENDED_MARK, bound, contended, contended_line, document, ranked
 from harness.rundir import read_jsonl
 from tiers import identity
 
@@ -83,7 +84,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         base = eager_baseline(records, r)
         vs_eager = speedup(base, r)
         out.append({
-            "rung": r["label"] + (" (interpreted)" if ok and not speed else ""),
+            "rung": r["label"] + (" (interpreted)" if ok and not speed else "") + (CONTENDED_MARK if ok and contended(r)
+                                                                                 else ""),
             "task": r.get("task", "infer"),
             "batch": str(r["batch"]),
             "res": str(r["res"]),
@@ -149,10 +151,11 @@ def pivot_cell(r: dict | None, base: dict | None, with_rate: bool) -> str:
         return PIVOT_STATUS.get(r["status"], "FAIL")
     if not ranked(r):
         return "interp."
+    mark = CONTENDED_MARK if contended(r) else ""
     if not with_rate:
-        return f"{r['latency_ms']['median']:.2f}"
+        return f"{r['latency_ms']['median']:.2f}{mark}"
     x = speedup(base, r)
-    return f"{r['throughput_img_s']:,.0f}" + (f" {x:.2f}x" if x else "")
+    return f"{r['throughput_img_s']:,.0f}" + (f" {x:.2f}x" if x else "") + mark
 
 
 def pivot_markdown(records: list[dict]) -> list[str]:
@@ -162,7 +165,7 @@ def pivot_markdown(records: list[dict]) -> list[str]:
     def group(r: dict) -> tuple:
         return r.get("task", "infer"), r["res"], r["channels_last"], r["batch"]
 
-    dtypes = [d for d in ("fp32", "tf32", "fp16", "bf16") if any(r["dtype"] == d for r in records)]
+    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
     several = {k: len({group(r)[i] for r in records}) > 1 for i, k in ((1, "res"), (2, "layout"))}
     out = []
     for key in sorted({group(r) for r in records}):
@@ -229,6 +232,8 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
+    if contended_line(doc["results"]):
+        lines += [f"**{contended_line(doc['results'])}**", ""]
     lines += pivot_markdown(doc["results"])
     table = rows(doc["results"])
     lines += ["## Every cell", ""] + markdown_table(drop_empty_columns(table))
@@ -283,6 +288,7 @@ CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, pl
     "nvml_process_peak_bytes": "memory.nvml_process_peak_bytes", "rss_peak_bytes": "memory.rss_peak_bytes",
     "img_per_joule": "utilisation.img_per_joule", "parity_ok": "parity.ok", "parity_rel_err": "parity.rel_err",
     "parity_ratio_to_eager": "parity.ratio_to_eager", "parity_recipe_rel_err": "parity.recipe.norm_rel_err",
+    "contended": "contention.flagged", "other_cpus_busy": "contention.other_cpus_busy",
     "host": "where.host", "gpu": "where.gpu.name", "gpu_uuid": "where.gpu.uuid",
 }
 
@@ -398,7 +404,8 @@ def fastest_lines(records: list[dict]) -> list[str]:
         lead = speedup(eager_baseline(records, best), best)
         out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
                    f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
-                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else ""))
+                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else "")
+                   + (f"{CONTENDED_MARK}: measured beside other load" if contended(best) else ""))
     return out
 
 
@@ -475,4 +482,6 @@ def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, c
     print_table(console, rich_table(records, wide=wide), wide)
     for line in failure_lines(records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
+    if contended_line(records):
+        console.print(contended_line(records), markup=False, style="yellow")
     write(doc, json_path, md_path, csv_path)

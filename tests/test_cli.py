@@ -165,3 +165,17 @@ def test_fp8_is_the_triton_rungs_own_and_its_baseline_is_eager_bf16():
               "dtype": d, "channels_last": True, "device": "cuda"} for d in ("fp16", "bf16")]
     fp8 = {**eager[0], "tier": "triton", "dtype": "fp8"}
     assert eager_baseline(eager, fp8)["dtype"] == "bf16"
+
+
+def test_ctrl_c_while_starting_is_one_line():
+    """SIGINT in the first second lands inside `import torch`: one line and status 130, no traceback."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "tiers"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    time.sleep(0.8)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err[-2000:]
+    assert "Traceback" not in err

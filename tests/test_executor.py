@@ -18,14 +18,19 @@ pytest.importorskip("ray", reason="the Ray executor's extra: pip install -e '.[r
 
 CELLS = ("--tiers", "eager,onnxruntime", "--model", "resnet18", "--batch", "1,2", "--res", "32")  # 18: less to export
 RAY = str(Path(sys.executable).with_name("ray"))  # Ray's command line, installed beside this Python
+# Set in the environment of the Ray instance this module starts, which its raylet, workers and their children
+# inherit: a test kills only processes that carry it, never another job's that happen to match by name.
+OWNER = f"LADDER_TEST_RAY={os.getpid()}-{time.time_ns()}"
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """A real Ray instance on this host, started as a cluster's head is (`ray start --head`); each ladder joins it
     with --ray-address auto, as on a cluster."""
+    name, value = OWNER.split("=")
     start = subprocess.run([RAY, "start", "--head", "--num-cpus", "2", "--include-dashboard", "false",
-                            "--disable-usage-stats"], capture_output=True, text=True, timeout=120)
+                            "--disable-usage-stats"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, name: value})
     assert start.returncode == 0, start.stdout + start.stderr
     yield ("--executor", "ray", "--ray-address", "auto")
     subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
@@ -36,14 +41,16 @@ def cells_of(out: Path) -> dict[tuple, dict]:
 
 
 def processes_with(words: str) -> list[int]:
-    """PIDs whose command line holds `words` (Ray's workers are the raylet's children, not the ladder's)."""
+    """PIDs of the processes this module's Ray instance started (they carry OWNER in their environment: Ray's
+    workers are the raylet's children, not the ladder's) whose command line holds `words`."""
     found = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if words in (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                if (words in (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                        and OWNER.encode() in (p / "environ").read_bytes().split(b"\0")):
                     found.append(int(p.name))
-            except OSError:
+            except OSError:  # ended, or another user's
                 continue
     return found
 
