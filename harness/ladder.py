@@ -180,9 +180,9 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
                   wall: float, console: Console) -> None:
     """The terminal's table, failures and fastest lines; the JSON, markdown (with plots) and CSV files."""
     doc = document(records, meta["environment"], meta["protocol"],
-                          {"peak_tflops": meta.get("peak_tflops"), "isolation": meta.get("isolation"),
-                           "command": command_line(config.argv), "wall_s": wall,
-                           "builds": builds})
+                   {"model": config.model, "peak_tflops": meta.get("peak_tflops"),
+                    "isolation": meta.get("isolation"), "command": command_line(config.argv), "wall_s": wall,
+                    "builds": builds})
     what = " (training steps)" if config.task == "train" else ""
     if records:
         title = f"{config.model}{what} on {device_slug(meta['environment'])}"

@@ -124,20 +124,24 @@ def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
     plt = _pyplot()
     panels = _by_panel(ok)
     colours = _colours({r["label"] for r in ok})
-    what = ("throughput, img/s (batch / median latency; one batch at a time)" if metric == "throughput" else
+    what = ("throughput, img/s (batch / median latency; one batch at a time; bars: 95% CI)"
+            if metric == "throughput" else
             f"latency per {_per_call(ok)}, median ms (bars: 95% CI of the median)")
     fig, axes = _panels(plt, list(panels), f"{_where(doc)}: {what}")
     for key, records in panels.items():
         ax = axes[key]
         for label, rs in _by_rung(records):
             x = [r["batch"] for r in rs]
-            if metric == "throughput":
-                ax.plot(x, [r["throughput_img_s"] for r in rs], "o-", color=colours[label], label=label)
+            med = [r["latency_ms"]["median"] for r in rs]
+            ci = [(r["latency_ms"].get("ci95_low", m), r["latency_ms"].get("ci95_high", m)) for m, r in zip(med, rs)]
+            if metric == "throughput":  # img/s = batch / latency: the latency's interval, inverted
+                y = [r["throughput_img_s"] for r in rs]
+                low = [v - r["batch"] * 1e3 / hi for v, r, (_, hi) in zip(y, rs, ci)]
+                high = [r["batch"] * 1e3 / lo - v for v, r, (lo, _) in zip(y, rs, ci)]
             else:
-                med = [r["latency_ms"]["median"] for r in rs]
-                low = [m - r["latency_ms"].get("ci95_low", m) for m, r in zip(med, rs)]
-                high = [r["latency_ms"].get("ci95_high", m) - m for m, r in zip(med, rs)]
-                ax.errorbar(x, med, yerr=[low, high], fmt="o-", color=colours[label], label=label, capsize=2)
+                y = med
+                low, high = [m - lo for m, (lo, _) in zip(med, ci)], [hi - m for m, (_, hi) in zip(med, ci)]
+            ax.errorbar(x, y, yerr=[low, high], fmt="o-", color=colours[label], label=label, capsize=2)
         _batch_axis(ax, {r["batch"] for r in records})
         ax.set_yscale("log")
         ax.set_ylabel("img/s" if metric == "throughput" else f"ms per {_per_call(records)}")
@@ -169,15 +173,17 @@ def overhead(doc: dict, path: Path) -> Path | None:
         return None
     panels = _at_batch(ok, min)
     plt = _pyplot()
+    gpu = any(r["device"] == "cuda" for r in ok)
+    parts_said = "medians; e2e parts from the end-to-end pass" if gpu else "median host wall time"
     fig, axes = _panels(plt, list(panels), f"{_where(doc)}: where one {_per_call(ok)}'s time goes at the smallest "
-                                           "batch (medians; e2e parts from the end-to-end pass)", width=6.4,
+                                           f"batch ({parts_said}; bars: 95% CI of the median)", width=6.4,
                         height=0.45 * max(len(v) for v in panels.values()) + 2.2)
     parts = ["guard check (host)", "issue on the host", "GPU after the last launch", "forward (host wall clock)",
              "H2D from pinned memory", "pageable extra over pinned"]
     colours = dict(zip(parts, ["#d62728", "#ff7f0e", "#1f77b4", "#1f77b4", "#2ca02c", "#98df8a"]))
     for key, records in panels.items():
         ax = axes[key]
-        records = sorted(records, key=lambda r: r["label"], reverse=True)
+        records = sorted(records, key=lambda r: -r["latency_ms"]["median"])  # the fastest on top
         costs = [call_costs(r) for r in records]
         left = [0.0] * len(records)
         for part in parts:
@@ -185,6 +191,10 @@ def overhead(doc: dict, path: Path) -> Path | None:
             if any(widths):
                 ax.barh([r["label"] for r in records], widths, left=left, color=colours[part], label=part)
                 left = [a + b for a, b in zip(left, widths)]
+        med = [r["latency_ms"]["median"] for r in records]
+        ax.errorbar(med, [r["label"] for r in records], fmt="none", color="black", capsize=2,
+                    xerr=[[m - r["latency_ms"].get("ci95_low", m) for m, r in zip(med, records)],
+                          [r["latency_ms"].get("ci95_high", m) - m for m, r in zip(med, records)]])
         ax.set_xlabel("ms per call")
         ax.set_title(f"{_panel_name(key, list(panels))}, batch {records[0]['batch']}", fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
@@ -207,7 +217,8 @@ def first_result(doc: dict, path: Path) -> Path | None:
         bars.append((f"{label} {r.get('start') or 'cold'} ({cell})", r["cold"]))
         prep = r.get("prepared") or {}
         if prep.get("start") == "cold":
-            bars.append((f"{label} cold, prepare stage ({cell}, {prep.get('concurrent_jobs', 0)} jobs beside)", prep))
+            jobs = prep.get("concurrent_jobs", 0)
+            bars.append((f"{label} cold, prepare stage ({cell}, {jobs} job{'s' if jobs != 1 else ''} beside)", prep))
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.4 * len(bars) + 2.2))
     ax.set_title(f"{_where(doc)}:\ntime to the first result in a fresh process (wall clock)", fontsize=11)
@@ -218,7 +229,7 @@ def first_result(doc: dict, path: Path) -> Path | None:
         ax.barh([b[0] for b in bars], widths, left=left, color=colour, label=name)
         left = [a + w for a, w in zip(left, widths)]
     ax.set_xlabel("seconds")
-    ax.tick_params(axis="y", labelsize=7)
+    ax.tick_params(axis="y", labelsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 
@@ -234,11 +245,13 @@ def memory(doc: dict, path: Path) -> Path | None:
               ("nvml_process_peak_bytes", "NVML process peak (CUDA context included)"),
               ("rss_peak_bytes", "host RSS peak"))
     plt = _pyplot()
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: memory per rung at the largest batch", width=6.4,
+    at = "the largest batch" if len({r["batch"] for r in ok}) > 1 else f"batch {ok[0]['batch']}"
+    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: memory per rung at {at}", width=6.4,
                         height=0.5 * max(len(v) for v in panels.values()) + 2.2)
     for key, records in panels.items():
         ax = axes[key]
-        records = sorted(records, key=lambda r: r["label"], reverse=True)
+        records = sorted(records, key=lambda r: -max(v or 0 for v in r["memory"].values()
+                                                     if isinstance(v, (int, float))))  # the smallest on top
         on_cpu = records[0]["device"] == "cpu"
         shown = [(k, name) for k, name in series if any(r["memory"].get(k) for r in records)
                  and (k == "rss_peak_bytes") == on_cpu]

@@ -102,7 +102,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
                          + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
             "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
-            "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed else "",
+            "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
             "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
             "img/J": _fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
             "GPU MiB (NVML)": _fmt(nv / 2**20, ".0f") if nv else "",
@@ -143,8 +143,8 @@ PIVOT_STATUS = {"skipped": "-", "unavailable": "n/a", "timeout": "timeout", "int
 
 
 def pivot_cell(r: dict | None, base: dict | None, with_rate: bool) -> str:
-    """One rung x dtype cell: median ms, or at the largest batch img/s and the speed-up over eager; else a short
-    status word."""
+    """One rung x dtype cell: median ms, and at the largest batch also img/s and the speed-up over eager; else a
+    short status word."""
     if r is None:
         return ""
     if r["status"] != "ok":
@@ -152,10 +152,11 @@ def pivot_cell(r: dict | None, base: dict | None, with_rate: bool) -> str:
     if not ranked(r):
         return "interp."
     mark = CONTENDED_MARK if contended(r) else ""
+    ms = f"{r['latency_ms']['median']:.2f} ms"
     if not with_rate:
-        return f"{r['latency_ms']['median']:.2f}{mark}"
+        return ms + mark
     x = speedup(base, r)
-    return f"{r['throughput_img_s']:,.0f}" + (f" {x:.2f}x" if x else "") + mark
+    return f"{ms}, {r['throughput_img_s']:,.0f} img/s" + (f", {x:.2f}x" if x else "") + mark
 
 
 def pivot_markdown(records: list[dict]) -> list[str]:
@@ -166,15 +167,15 @@ def pivot_markdown(records: list[dict]) -> list[str]:
         return r.get("task", "infer"), r["res"], r["channels_last"], r["batch"]
 
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
-    several = {k: len({group(r)[i] for r in records}) > 1 for i, k in ((1, "res"), (2, "layout"))}
+    several_layouts = len({r["channels_last"] for r in records}) > 1
     out = []
     for key in sorted({group(r) for r in records}):
         task, res, channels_last, batch = key
         cells = [r for r in records if group(r) == key]
         largest = batch == max(r["batch"] for r in records if group(r)[:3] == key[:3])
-        where = ", ".join([f"res {res}"] * several["res"] + [layout_name(channels_last)] * several["layout"])
-        unit = "img/s and speed-up over eager" if largest else "median ms per call"
-        out += [f"### {task}, batch {batch}{f' ({where})' if where else ''}: {unit}", ""]
+        layout = f", {layout_name(channels_last)}" if several_layouts else ""
+        unit = "median ms per call, img/s and speed-up over eager" if largest else "median ms per call"
+        out += [f"### {task}, batch {batch}, res {res}{layout}: {unit}", ""]
         table, absent = [], []
         for label in dict.fromkeys(r["label"] for r in cells):
             row = {"rung": label}
@@ -202,7 +203,8 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     env = doc["environment"]
     gpu = env.get("gpu") or {}
     merged = len(doc.get("runs") or []) > 1  # then env is the last input's: each run's start is its own
-    lines = [f"# Tier ladder: {', '.join(sorted({r['model'] for r in doc['results']}))}", "",
+    models = sorted({r["model"] for r in doc["results"]}) or [doc.get("model") or "no cell recorded"]
+    lines = [f"# Tier ladder: {', '.join(models)}", "",
              f"Generated {doc['generated']}"
              + (f" from a run started {env['started_utc']}" if env.get("started_utc") and not merged else "")
              + f" on **{gpu.get('name', 'CPU: ' + str(env.get('cpu')))}**"
@@ -232,6 +234,9 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     peaks = (doc.get("peak_tflops") or {}).get("measured")
     if peaks:
         lines += ["Measured cuBLAS matmul rate (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), ""]
+    if not doc["results"]:
+        return "\n".join(lines + ["No cell was recorded: the run ended before its first cell did.", ""])
+    lines += [f"- {line}" for line in fastest_lines(doc["results"])] + [""]
     if contended_line(doc["results"]):
         lines += [f"**{contended_line(doc['results'])}**", ""]
     lines += pivot_markdown(doc["results"])
@@ -257,7 +262,7 @@ def how_to_read(gpu: bool) -> str:
     device_columns = ("; bound = host where the CPU time to issue a forward is most of its latency (the figure "
                       "then measures the host and varies between processes), gpu otherwise; GPU MiB = NVML "
                       "per-process peak (CUDA context included); alloc MiB = torch allocator peak in steady state"
-                      if gpu else "; bound, GPU MiB and alloc MiB are GPU figures, empty on the CPU")
+                      if gpu else "; bound, TFLOP/s, img/J, GPU MiB and alloc MiB are GPU figures, left out on the CPU")
     return (f"How to read it: {timing}; img/s = batch / median; pipelined = no sync between forwards; host us/call "
             f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
             "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; err/eager = "

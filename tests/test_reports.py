@@ -268,12 +268,15 @@ def test_the_markdown_opens_with_rungs_by_dtype_and_drops_empty_columns(sweep):
     columns a CPU run leaves empty."""
     out, _ = sweep
     md = (out / "ladder.md").read_text().splitlines()
-    first = md.index("### infer, batch 1: median ms per call")
+    first = md.index("### infer, batch 1, res 32: median ms per call")
     assert md[first + 2] == "| rung | fp32 |" and md[first + 4].startswith("| eager | ")
     assert "Not measured here (the reasons: below): onnxruntime, tensorrt." in md or any(
         line.startswith("Not measured here") and "tensorrt" in line for line in md)
-    largest = md.index("### infer, batch 2: img/s and speed-up over eager")
-    assert md[largest + 4].startswith("| eager | ") and md[largest + 4].endswith(" 1.00x |")
+    largest = md.index("### infer, batch 2, res 32: median ms per call, img/s and speed-up over eager")
+    assert md[largest + 4].startswith("| eager | ") and md[largest + 4].endswith(" img/s, 1.00x |")
+    assert " ms, " in md[largest + 4]
+    assert any(line.startswith("- batch 2 fp32 nchw res 32: fastest ") for line in md[:first])  # the sentence
+    assert "TFLOP/s" not in md[md.index("## Every cell") + 2]  # a GPU figure, left out on the CPU
     assert all(len(line) <= 100 for line in md[first:md.index("## Every cell")])
     header = md[md.index("## Every cell") + 2]
     assert "GPU MiB (NVML)" not in header and "alloc MiB" not in header and "median ms" in header
