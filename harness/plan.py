@@ -57,6 +57,9 @@ def command_line(argv: list[str]) -> str:
 SWEEP_BATCHES = {"cuda": [8, 16, 32, 64, 128, 256, 512, 1024], "cpu": [1, 2, 4, 8, 16]}
 
 
+SMALLEST_WHOLE_RES = 32  # the input size below which a ResNet's last stage sees 1x1 maps (its strides multiply to 32)
+
+
 def plan(args: LadderConfig, device: str) -> list[Cell]:
     """The cells of a ladder or sweep: rungs x layouts x dtypes x batches x resolutions x CUDA-graph modes, each
     rung's options (compile: one cell per --compile-mode)."""
@@ -65,6 +68,9 @@ def plan(args: LadderConfig, device: str) -> list[Cell]:
     tiers = args.tiers or list(all_tiers())
     batches = args.batch or (SWEEP_BATCHES[device] if sweep else [1, 32, 256] if gpu else [1])
     resolutions = args.res or ([224] if gpu else [64])
+    for res in (r for r in resolutions if r < SMALLEST_WHOLE_RES):
+        print(f"note: at res {res} the feature maps shrink to 1x1 before the last stage (ResNet divides by 32): "
+              "the network runs, but its later layers compute on single pixels", file=sys.stderr)
     dtypes = args.dtype or ((["bf16"] if sweep else ["fp32", "tf32", "bf16"]) if gpu else ["fp32"])
     layouts = {"nchw": [False], "nhwc": [True], "both": [False, True]}[args.layout or ("nhwc" if gpu else "nchw")]
     graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
@@ -147,8 +153,10 @@ def fitting(model: str, cells: list[Cell], device: str, drop: bool) -> list[Cell
                 kept.append(c)
                 continue
             fits, where, capacity, per = largest
-            message = (f"batch {c.batch} at res {res} needs about {c.batch * per / 2**30:.1f} GiB of {where} "
-                       f"({capacity / 2**30:.1f} GiB here); the largest batch that fits is about {fits}")
+            budget = f"80% of the {capacity / 2**30:.1f} GiB of {where} here"
+            message = (f"batch {c.batch} at res {res} needs about {c.batch * per / 2**30:.1f} GiB of {where}, more "
+                       f"than {budget}; " + (f"the largest batch that fits is about {fits}" if fits else
+                                             f"even batch 1 needs {per / 2**30:.1f} GiB: choose a smaller --res"))
             if not drop:
                 raise Refusal(message)
             print(f"sweep: left out: {message}", file=sys.stderr)

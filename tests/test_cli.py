@@ -179,3 +179,25 @@ def test_ctrl_c_while_starting_is_one_line():
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err[-2000:]
     assert "Traceback" not in err
+
+
+def test_a_resolution_too_large_for_even_one_image_says_so(capsys):
+    from core.cell import Cell
+    from harness.plan import fitting
+    from harness.refusal import Refusal
+
+    with pytest.raises(Refusal, match=r"more than 80% of the .* GiB of .* here; even batch 1 needs .* GiB: choose "
+                                      r"a smaller --res"):
+        fitting("resnet50", [Cell(tier="eager", batch=1, res=20000, device="cpu")], "cpu", drop=False)
+
+
+def test_a_resolution_under_32_is_planned_with_a_note(capsys):
+    from harness import cli
+    from harness.plan import plan
+
+    args = cli.parser().parse_args(["ladder", "--tiers", "eager", "--res", "7,64"])
+    args.argv = []
+    cells = plan(cli.ladder_config(args), "cpu")
+    assert sorted(c.res for c in cells) == [7, 64]
+    err = capsys.readouterr().err
+    assert "note: at res 7 the feature maps shrink to 1x1 before the last stage" in err and "res 64" not in err
