@@ -174,7 +174,7 @@ def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
 def parser() -> argparse.ArgumentParser:
     tier_names = list(all_tiers())
     p = argparse.ArgumentParser(prog="python -m harness", description="Run one network down the abstraction ladder.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     lad = ladder_arguments(tier_names)
     sub.add_parser("ladder", parents=[lad], help="measure rungs x configurations")
     sub.add_parser("sweep", parents=[lad], help="batch x resolution (x dtype) for chosen rungs: the ladder with "
@@ -185,14 +185,15 @@ def parser() -> argparse.ArgumentParser:
                          "weights; test accuracy per epoch per rung, and a plot")
     acc.add_argument("--tiers", type=_list(str, tier_names), default=["eager", "torchscript", "compile"],
                      help="rungs that train (default: eager,torchscript,compile)")
-    acc.add_argument("--model", default="resnet18", choices=CLASSIFIERS, metavar="MODEL")
-    acc.add_argument("--epochs", type=_positive_int, default=30)
-    acc.add_argument("--batch", type=_positive_int, default=64)
+    acc.add_argument("--model", default="resnet18", choices=CLASSIFIERS, metavar="MODEL",
+                     help=f"one of {', '.join(CLASSIFIERS)} (default resnet18)")
+    acc.add_argument("--epochs", type=_positive_int, default=30, help="epochs each rung trains (default 30)")
+    acc.add_argument("--batch", type=_positive_int, default=64, help="images per training step (default 64)")
     acc.add_argument("--res", type=_positive_int, default=32, help="image size the data is resized to")
     acc.add_argument("--dtype", choices=FRAMEWORK_DTYPES, default=None, help="default: bf16 on GPU, fp32 on CPU")
     acc.add_argument("--data", type=Path, default=None, help="an ImageFolder tree with train/ and test/ (or val/) "
                      "(default: scikit-learn's handwritten digits, shipped with it)")
-    acc.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    acc.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda where a GPU is visible")
     acc.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     acc.add_argument("--out", type=Path, default=None, help="default runs/accuracy-<model>-<device>")
 
@@ -225,22 +226,26 @@ def parser() -> argparse.ArgumentParser:
     mut = sub.add_parser("mutations", help="the parity checks against plausible wrong networks: every mutant, "
                          "computed by each Python rung at each dtype, must fail and the right network pass; exit "
                          "status 1 if not")
-    mut.add_argument("--model", default="resnet50", choices=CLASSIFIERS, metavar="MODEL")
-    mut.add_argument("--tiers", type=_list(str, mutations.RUNGS), default=list(mutations.RUNGS))
-    mut.add_argument("--batch", type=_positive_int, default=8)
-    mut.add_argument("--res", type=_positive_int, default=224)
-    mut.add_argument("--dtype", type=_list(str, DTYPES), default=list(DTYPES))
+    mut.add_argument("--model", default="resnet50", choices=CLASSIFIERS, metavar="MODEL",
+                     help=f"one of {', '.join(CLASSIFIERS)} (default resnet50)")
+    mut.add_argument("--tiers", type=_list(str, mutations.RUNGS), default=list(mutations.RUNGS),
+                     help=f"comma list of the rungs checked (default {','.join(mutations.RUNGS)})")
+    mut.add_argument("--batch", type=_positive_int, default=8, help="images per forward (default 8)")
+    mut.add_argument("--res", type=_positive_int, default=224, help="image size (default 224)")
+    mut.add_argument("--dtype", type=_list(str, DTYPES), default=list(DTYPES),
+                     help=f"comma list (default {','.join(DTYPES)}; a rung skips the dtypes it lacks)")
     mut.add_argument("--mutants", type=_list(str, [m.name for m in FORWARD + TRAINING]), default=[],
                      help="by name (default: all)")
-    mut.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    mut.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda where a GPU is visible")
     mut.add_argument("--out", type=Path, default=None, help="where mutations.json and mutations.md go")
 
     rep = sub.add_parser("report", help="re-render (and merge) results.jsonl or JSON files; a census.json (from "
                          "micro --tiers) alone: its side-by-side, markdown and plot again, beside it")
-    rep.add_argument("inputs", type=Path, nargs="+")
-    rep.add_argument("--json", type=Path)
-    rep.add_argument("--markdown", type=Path)
-    rep.add_argument("--csv", type=Path)
+    rep.add_argument("inputs", type=Path, nargs="+", metavar="RESULTS",
+                     help="results.jsonl (with its run.json) or ladder.json files; later files win on the same cell")
+    rep.add_argument("--json", type=Path, help="write the merged JSON document here (the source of truth)")
+    rep.add_argument("--markdown", type=Path, help="write the markdown report here, its plots in plots/ beside it")
+    rep.add_argument("--csv", type=Path, help="write one CSV row per cell here")
     rep.add_argument("--wide", action="store_true", help="every column in the terminal table")
     return p
 

@@ -201,3 +201,16 @@ def test_a_resolution_under_32_is_planned_with_a_note(capsys):
     assert sorted(c.res for c in cells) == [7, 64]
     err = capsys.readouterr().err
     assert "note: at res 7 the feature maps shrink to 1x1 before the last stage" in err and "res 64" not in err
+
+
+def test_every_argument_has_help_and_the_usage_fits_80_columns():
+    import argparse
+
+    from harness import cli
+
+    parser = cli.parser()
+    assert len(parser.format_usage().splitlines()[0]) <= 80
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bare = [f"{name} {a.option_strings or a.dest}" for name, sub in commands.items() for a in sub._actions
+            if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert not bare, bare
