@@ -25,6 +25,7 @@ import copy
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,8 @@ def image_folder(root: Path, res: int) -> tuple[torch.Tensor, torch.Tensor, torc
     import torchvision.transforms as T  # only for --data
     from torchvision.datasets import ImageFolder
 
+    if not root.exists():
+        raise ValueError(f"--data {root}: does not exist")
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     if not (root / "train").is_dir() or test_dir is None:
         raise ValueError(f"--data {root}: expected train/ and test/ (or val/) ImageFolder subdirectories")
@@ -108,6 +111,10 @@ def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Te
         for i in range(0, len(y), 256):
             correct += (model(x[i:i + 256].to(device)).argmax(1).cpu() == y[i:i + 256]).sum().item()
     return correct / len(y)
+
+
+def plural(n: float, word: str) -> str:
+    return f"{n:g} {word}{'' if n == 1 else 's'}"
 
 
 def learning_rates(peak: float, epochs: int, steps: int, warmup_epochs: int = WARMUP_EPOCHS) -> torch.Tensor:
@@ -258,21 +265,23 @@ def run(config: AccuracyConfig) -> None:
         store.cache.mkdir(parents=True, exist_ok=True)
         torch._dynamo.reset()
         try:
-            if isinstance(tier, PythonTier):
-                result = train_rung(tier, initial, data_split, cell, order, rates, store, show_epoch(console, label))
-            else:
-                result = train_program(tier, initial, data_split, cell, order, rates, store, out / "programs" / name,
-                                       show_epoch(console, label))
+            with warnings.catch_warnings():  # torch's own warnings are for its developers: the epoch lines are ours
+                warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+                result = (train_rung(tier, initial, data_split, cell, order, rates, store, show_epoch(console, label))
+                          if isinstance(tier, PythonTier) else
+                          train_program(tier, initial, data_split, cell, order, rates, store,
+                                        out / "programs" / name, show_epoch(console, label)))
             results.append({**result, "rung": label, "layout": cell.layout})
         except Exception as e:  # a rung that fails costs its own curve, not the others'
             failed[label] = " ".join(f"{type(e).__name__}: {e}".split())
             console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
+    warm = min(WARMUP_EPOCHS, config.epochs / 2)
     doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,
            "res": config.res, "seed": config.seed, "data": data, "environment": env,
            "recipe": f"torchvision's initialisation with each residual branch's last BatchNorm scale at zero; the "
                      f"step of core/train.py (SGD, momentum 0.9, weight decay 1e-4) at a rate warmed up linearly "
-                     f"to 0.1 x batch / 256 = {learning_rate(config.batch):g} over {WARMUP_EPOCHS} epochs (at most "
-                     f"half the run), then decayed to zero along a cosine; full shuffled batches; accuracy by the "
+                     f"to 0.1 x batch / 256 = {learning_rate(config.batch):g} over the first {plural(warm, 'epoch')} "
+                     f"(at most half the run), then decayed to zero along a cosine; full shuffled batches; accuracy by the "
                      f"eager model in eval mode with the rung's weights",
            "learning_rates": rates.tolist(), "command": command_line(config.argv), "rungs": results,
            "agreement": agreement(results, TWIN), "agreement_points": AGREEMENT_POINTS, "skipped": skipped,
@@ -345,8 +354,8 @@ def write(doc: dict, out: Path, console: Console) -> None:
         lines += ["", "![test accuracy per epoch](plots/accuracy.png)", ""]
     write_text_atomic(out / "accuracy.md", "\n".join(lines))
     for r in results:
-        console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after {doc['epochs']} "
-                      "epochs", markup=False)
+        console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after "
+                      f"{plural(doc['epochs'], 'epoch')}", markup=False)
     console.print(f"JSON: {out / 'accuracy.json'}  markdown: {out / 'accuracy.md'}", markup=False)
 
 
