@@ -71,3 +71,15 @@ def test_every_package_is_installed():
 
     include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {p.rstrip("*") for p in include} == set(ALLOWED)
+
+
+def test_the_architecture_names_every_module():
+    """docs/architecture.md names each module of the packages, bench/ and kernels/triton: a new module without its
+    line there fails here."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    modules = [p for d in ("core", "harness", "tiers", "tiers/exports", "kernels/triton", "bench")
+               for p in sorted((REPO / d).glob("*.py")) if p.name != "__init__.py"]
+    assert modules and "`bench/`" in text
+    missing = [str(p.relative_to(REPO)) for p in modules if f"`{p.stem}" not in text and f"{p.stem}`" not in text
+               and f"/{p.stem}" not in text]
+    assert not missing, f"not named in docs/architecture.md: {missing}"
