@@ -1,6 +1,7 @@
 """The AOTInductor rungs on the CPU: a real torch.export + AOTInductor package, loaded from Python and from our C++
 program (built with CMake), both checked against eager; the package cache's key; the reason on an older torch."""
 
+import pytest
 import torch
 
 from conftest import ladder, records
@@ -46,6 +47,7 @@ def test_a_static_package_matches_eager_from_both_rungs_and_either_runner(tmp_pa
     assert len(list((tmp_path / "cache" / "aot-inductor").glob("*.pt2"))) == 1
 
 
+@pytest.mark.quick
 def test_package_key_follows_what_the_package_bakes_in():
     model = build_model("resnet18")
     digest = weights_digest(model)
@@ -63,6 +65,7 @@ def test_package_key_follows_what_the_package_bakes_in():
     assert package_key(weights_digest(model), cell) != key
 
 
+@pytest.mark.quick
 def test_a_torch_without_the_package_api_is_named_exactly(monkeypatch):
     assert missing_api() is None
     monkeypatch.delattr(torch._inductor, "aoti_load_package")

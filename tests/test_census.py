@@ -170,6 +170,7 @@ def kineto_gpu_trace() -> list[dict]:
     return events
 
 
+@pytest.mark.quick
 def test_gpu_trace_kernels_are_attributed_through_their_launches():
     c = census.summarise(kineto_gpu_trace(), convolutions("resnet18"), flops_per_group("resnet18", 32), 2, False)
     assert c["unit"] == "GPU kernels" and c["steps"] == 2 and c["kernels_per_step"] == 3
@@ -183,6 +184,7 @@ def test_gpu_trace_kernels_are_attributed_through_their_launches():
     assert conv["launches"] == 2 and conv["median_us"] == 60 and conv["groups"] == ["layer1", "stem"]
 
 
+@pytest.mark.quick
 def test_a_dependent_launch_owns_its_time_from_the_end_of_the_kernel_before_it():
     """On one stream, a kernel that starts before the one before it ends (a programmatic dependent launch, waiting)
     counts from that end: kernel time is the busy time, not the overlapping durations' sum."""
@@ -196,6 +198,7 @@ def test_a_dependent_launch_owns_its_time_from_the_end_of_the_kernel_before_it()
     assert layers["layer1.0"]["ms"] == pytest.approx((0.06 + 0.03) / 2)  # the second step's 30 µs wait left out
 
 
+@pytest.mark.quick
 def test_a_trace_without_steps_is_refused():
     with pytest.raises(ValueError, match="census:step"):
         census.summarise([e for e in kineto_gpu_trace() if e["name"] != "census:step"], convolutions("resnet18"),
@@ -260,6 +263,7 @@ def test_a_rung_that_refuses_the_cell_says_why_instead_of_failing_each_layer(tmp
     assert all(not row["rungs"] for row in doc["layers"])
 
 
+@pytest.mark.quick
 def test_a_layers_floor_counts_only_the_input_it_reads():
     """The roofline's bytes: a 1x1 convolution of stride 2 (the downsample) reads a quarter of its input; a 3x3 of
     stride 2 reads all of it (its windows overlap). Counting the whole input put measured layers under the floor."""
@@ -268,6 +272,7 @@ def test_a_layers_floor_counts_only_the_input_it_reads():
     assert layers["layer2.0.conv2"].bytes(1, 2) == 2 * (128 * 56 * 56 + 128 * 128 * 9 + 128 * 28 * 28)
 
 
+@pytest.mark.quick
 def test_a_floor_is_claimed_only_for_engines_it_bounds():
     """The floor counts a direct convolution's FLOPs: cuDNN's fp32 FFT engines ran two 3x3s at 142% and 167% of it on
     the H100, so a Winograd or FFT engine's row names its algorithm instead of a share. fp8's bytes are e4m3's."""

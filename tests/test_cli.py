@@ -29,6 +29,7 @@ def harness(capsys, *args: str) -> tuple[int, str, str]:
     (["ladder", "--cuda-graph", "maybe"], ["off", "on", "both"]),
     (["micro", "--tier", "eager"], ["cudnn", "triton"]),  # the hand-written rungs
 ])
+@pytest.mark.quick
 def test_bad_values_name_the_valid_choices(capsys, args, valid):
     status, _, err = harness(capsys, *args)
     assert status == 2
@@ -37,6 +38,7 @@ def test_bad_values_name_the_valid_choices(capsys, args, valid):
     assert all(v in error for v in valid), error
 
 
+@pytest.mark.quick
 def test_rung_options_are_checked_against_what_the_rung_declares(capsys):
     assert "eager has no option 'x' (valid: none)" in harness(capsys, "ladder", "--option", "eager:x=1")[2]
     assert "takes a positive integer" in harness(capsys, "ladder", "--option", "tensorrt:trt-max-batch=0")[2]
@@ -45,12 +47,14 @@ def test_rung_options_are_checked_against_what_the_rung_declares(capsys):
         capsys, "ladder", "--option", "triton:autotune=maybe")[2]
 
 
+@pytest.mark.quick
 def test_micro_refuses_a_dtype_its_rung_has_no_kernels_for(capsys):
     status, _, err = harness(capsys, "micro", "--tier", "cudnn", "--dtype", "fp8")
     assert status == 2 and err.strip() == (
         "micro: cudnn's per-layer microbenchmark times fp32, tf32, fp16, bf16 kernels, not fp8")
 
 
+@pytest.mark.quick
 def test_bad_model_and_batch(capsys):
     assert "invalid choice" in harness(capsys, "ladder", "--model", "resnet9")[2].splitlines()[-1]
     assert "0 must be a positive integer" in harness(capsys, "ladder", "--batch", "1,0")[2].splitlines()[-1]
@@ -88,6 +92,7 @@ def test_a_rung_that_fails_to_import_is_listed_unavailable():
     (["ladder", "--precision", "2"], "2 must be a finite number > 0 and <= 1"),
     (["ladder", "--res", "224x160"], "HxW is not supported"),
 ])
+@pytest.mark.quick
 def test_bad_numbers_get_one_line(capsys, args, message):
     status, _, err = harness(capsys, *args)
     assert status == 2 and message in err.strip().splitlines()[-1], err
@@ -131,6 +136,7 @@ def test_an_unwritable_results_file_is_one_line_before_any_measuring(capsys, tmp
     assert not (out / "cells").exists() and not (out / "run.json").exists()  # nothing measured, nothing written
 
 
+@pytest.mark.quick
 def test_the_default_gpu_ladder_runs_each_rung_in_the_16_bit_type_it_is_deployed_in():
     """ONNX Runtime and TensorRT deploy in fp16 (no bf16 kernels or graph): their 16-bit cells are fp16, eager gets
     fp16 cells as their baseline, every other rung stays bf16; a --dtype given is taken as it is, and a training
@@ -151,6 +157,7 @@ def test_the_default_gpu_ladder_runs_each_rung_in_the_16_bit_type_it_is_deployed
     assert dtypes(LadderConfig(task="train"))["eager"] == {"fp32", "tf32", "bf16"}
 
 
+@pytest.mark.quick
 def test_fp8_is_the_triton_rungs_own_and_its_baseline_is_eager_bf16():
     """--dtype fp8: the triton rung runs it; every other rung says it does not implement fp8, and the CPU that it
     is a GPU configuration; an fp8 cell's speed-up is over eager in bf16, the type of its activations."""
@@ -181,6 +188,7 @@ def test_ctrl_c_while_starting_is_one_line():
     assert "Traceback" not in err
 
 
+@pytest.mark.quick
 def test_a_resolution_too_large_for_even_one_image_says_so(capsys):
     from core.cell import Cell
     from harness.plan import fitting
@@ -191,6 +199,7 @@ def test_a_resolution_too_large_for_even_one_image_says_so(capsys):
         fitting("resnet50", [Cell(tier="eager", batch=1, res=20000, device="cpu")], "cpu", drop=False)
 
 
+@pytest.mark.quick
 def test_a_resolution_under_32_is_planned_with_a_note(capsys):
     from harness import cli
     from harness.plan import plan
@@ -203,6 +212,7 @@ def test_a_resolution_under_32_is_planned_with_a_note(capsys):
     assert "note: at res 7 the feature maps shrink to 1x1 before the last stage" in err and "res 64" not in err
 
 
+@pytest.mark.quick
 def test_every_argument_has_help_and_the_usage_fits_80_columns():
     import argparse
 

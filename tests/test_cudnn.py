@@ -22,10 +22,12 @@ from tiers.cudnn import TIER, toolchain
 from training_on_data import BATCH, check_training_on_data
 
 
+@pytest.mark.quick
 def test_unavailable_on_cpu():
     assert TIER.availability("cpu") == "needs a CUDA GPU"
 
 
+@pytest.mark.quick
 def test_declares_what_it_runs():
     assert TIER.supports(Cell(tier="cudnn", dtype="bf16", cuda_graph=True)) is None
     assert TIER.supports(Cell(tier="cudnn", model="resnet18")) == "cudnn implements only resnet50"
@@ -54,6 +56,7 @@ def test_reports_errors_per_contract(binary, tmp_path):
     assert proc.stdout.splitlines() == ["@@phase load", f"@@error cannot open {missing}"]
 
 
+@pytest.mark.quick
 def test_declares_how_it_trains():
     assert TIER.supports(Cell(tier="cudnn", task="train", dtype="bf16", channels_last=True, cuda_graph=True)) is None
     assert "channels-last only" in TIER.supports(Cell(tier="cudnn", task="train", channels_last=False))
@@ -142,6 +145,7 @@ def host_test(name: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.quick
 def test_memory_plan_never_overlaps_live_tensors(tmp_path):
     """cpp/cudnn/src/memory_plan.h on random step sequences: tensors alive together never share a byte, in-place
     pairs do, and the plan stays near the most bytes alive at once."""
@@ -149,6 +153,7 @@ def test_memory_plan_never_overlaps_live_tensors(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout
 
 
+@pytest.mark.quick
 def test_tiled_stem_is_the_7x7_stride_2_convolution(tmp_path):
     """cpp/cudnn/src/stem.h: the input tiled as the GPU converts it, the tiled filter and the tiled output's pixel
     order compute ResNet's stem (7x7, stride 2, padding 3, bias, ReLU) on random images of two sizes."""

@@ -376,6 +376,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "results.jsonl").exists() and not list(tmp_path.glob("*.safetensors"))
 
 
+@pytest.mark.quick
 def test_a_short_write_leaves_no_half_record_and_names_the_disk(tmp_path, monkeypatch):
     """The disk fills after half a record's line is written: the file is cut back to its last whole record, and
     the error names the cell and the disk."""
@@ -400,6 +401,7 @@ def test_a_short_write_leaves_no_half_record_and_names_the_disk(tmp_path, monkey
     assert len(calls) == 2 and run.results.read_text() == json.dumps(first) + "\n" and run.saved() == 1
 
 
+@pytest.mark.quick
 def test_the_free_space_check_counts_what_the_run_directory_holds(tmp_path):
     from harness.rundir import RunDir
 
@@ -410,6 +412,7 @@ def test_the_free_space_check_counts_what_the_run_directory_holds(tmp_path):
         run.check_writable(shutil.disk_usage(tmp_path).free + (12 << 20))
 
 
+@pytest.mark.quick
 def test_a_child_that_dies_on_a_full_disk_says_so(tmp_path):
     from harness.failures import failure_status
 
@@ -499,6 +502,7 @@ def test_a_cell_measured_beside_a_busy_process_is_marked_in_every_report_or_refu
     assert row["contended"] == "True" and float(row["other_cpus_busy"]) > 0.5
 
 
+@pytest.mark.quick
 def test_an_option_default_can_differ_by_device():
     """triton's launch path defaults to a recorded plan on the GPU and to Triton's own path on the CPU (whose
     interpreter compiles nothing to replay): each is the same cell as no option on its device, the other is not."""

@@ -3,6 +3,8 @@ core, used by the rungs. Checked on the source, every import statement, inside f
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 # What each package may import of the project (itself included).
@@ -46,18 +48,21 @@ def project_imports(package: str) -> list[tuple[str, str, bool, int]]:
     return out
 
 
+@pytest.mark.quick
 def test_no_package_imports_upward():
     upward = [f"{f}:{line} imports {top}" for package in ALLOWED for f, top, _, line in project_imports(package)
               if top not in ALLOWED[package]]
     assert not upward, "\n".join(upward)
 
 
+@pytest.mark.quick
 def test_no_project_import_is_hidden_in_a_function():
     hidden = [f"{f}:{line} imports {top} inside a function" for package in ALLOWED
               for f, top, in_function, line in project_imports(package) if in_function and top not in LAZY_OK]
     assert not hidden, "\n".join(hidden)
 
 
+@pytest.mark.quick
 def test_the_check_sees_an_upward_import(tmp_path):
     """The checker itself fails on what it is for: a core module importing the harness, in a function."""
     bad = tmp_path / "bad.py"
@@ -65,6 +70,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert imports(bad) == [("harness.record", True, 2)]
 
 
+@pytest.mark.quick
 def test_every_package_is_installed():
     """`pip install -e .` maps each package of the layers (run from any directory, `import core` must work)."""
     import tomllib
@@ -73,6 +79,7 @@ def test_every_package_is_installed():
     assert {p.rstrip("*") for p in include} == set(ALLOWED)
 
 
+@pytest.mark.quick
 def test_the_architecture_names_every_module():
     """docs/architecture.md names each module of the packages, bench/ and kernels/triton: a new module without its
     line there fails here."""

@@ -12,6 +12,7 @@ from core.parity import TOLERANCES, compare
 from core.stats import summarize
 
 
+@pytest.mark.quick
 def test_summary_matches_definitions():
     rng = np.random.default_rng(0)
     samples = list(rng.lognormal(0, 0.3, 501))
@@ -29,6 +30,7 @@ def logits(seed=0, batch=16):
     return torch.randn(batch, 1000, generator=torch.Generator().manual_seed(seed)) * 10
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
 def test_parity_accepts_rounding_of_the_dtype(dtype):
     ref = logits()
@@ -37,6 +39,7 @@ def test_parity_accepts_rounding_of_the_dtype(dtype):
     assert compare(out, ref, dtype)["ok"]
 
 
+@pytest.mark.quick
 def test_parity_rejects_a_different_function():
     ref = logits()
     out = ref.clone()
@@ -45,6 +48,7 @@ def test_parity_rejects_a_different_function():
     assert not verdict["ok"] and "rel err" in verdict["reason"]
 
 
+@pytest.mark.quick
 def test_parity_rejects_nan_and_wrong_shape():
     ref = logits()
     out = ref.clone()
@@ -53,6 +57,7 @@ def test_parity_rejects_nan_and_wrong_shape():
     assert not compare(ref[:, :10], ref, "fp32")["ok"]
 
 
+@pytest.mark.quick
 def test_top1_checked_on_decisive_rows_only():
     ref = logits(batch=4)
     ref[0, 0] = ref[0].max() + 50  # a decisive row
@@ -70,6 +75,7 @@ def record(tier="eager", batch=1, host_us=900.0, latency_ms=1.0, run=0, device="
             "throughput_img_s": batch / latency_ms * 1e3, "run": run, **kw}
 
 
+@pytest.mark.quick
 def test_bound_labels_a_cell_by_its_share_of_host_time():
     assert records.bound(record(host_us=800.0, latency_ms=1.0)) == "host"  # exactly the threshold
     assert records.bound(record(host_us=790.0, latency_ms=1.0)) == "gpu"
@@ -78,6 +84,7 @@ def test_bound_labels_a_cell_by_its_share_of_host_time():
     assert records.bound(record(status="crashed")) is None
 
 
+@pytest.mark.quick
 def test_an_interpreted_cell_is_labelled_and_never_ranked():
     """Triton under TRITON_INTERPRET=1 is slow and says so: its row is labelled, shows no img/s or speed-up, and
     the fastest lines and compare pass it over; a compiled cell of the same shape is ranked."""
@@ -93,6 +100,7 @@ def test_an_interpreted_cell_is_labelled_and_never_ranked():
     assert verdicts == {"triton": "interpreted: not a speed"}
 
 
+@pytest.mark.quick
 def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
     """A speed-up over eager is marked only where eager and the rung come from different runs and one of the two is
     host-bound; the same pair from one run, or two GPU-bound cells of two runs, stay unmarked."""
@@ -109,6 +117,7 @@ def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
         assert row["vs eager"] == "2.00x" + (report.CROSS_RUN if marked else ""), (eager_run, rung_run, row)
 
 
+@pytest.mark.quick
 def test_host_noise_probe_times_every_cpu_it_is_given():
     cpus = host_noise.spread_cpus(2)
     series = host_noise.measure(cpus, seconds=0.5)
@@ -118,6 +127,7 @@ def test_host_noise_probe_times_every_cpu_it_is_given():
     assert 0 < summary["p10_ms"] <= summary["median_ms"] <= summary["p90_ms"]
 
 
+@pytest.mark.quick
 def test_host_noise_coincidence_counts_slow_windows():
     """Two CPUs, ten 0.1 s windows of 1 ms chunks: CPU 0 runs 3x slow in windows 2-4, CPU 1 in windows 3-4 only."""
     def series(slow):
@@ -127,6 +137,7 @@ def test_host_noise_coincidence_counts_slow_windows():
     assert (w["windows"], w["some_cpu_slow"], w["all_cpus_slow"]) == (10, 3, 2)
 
 
+@pytest.mark.quick
 def test_median_confidence_interval_is_the_order_statistics_interval():
     from core.stats import median_ci_bounds, median_ci_rel
 
@@ -137,6 +148,7 @@ def test_median_confidence_interval_is_the_order_statistics_interval():
     assert median_ci_rel([1.0, 2.0]) == float("inf")
 
 
+@pytest.mark.quick
 def test_failure_status_names_an_allocator_refusal_oom():
     from harness.failures import failure_status
 
@@ -175,6 +187,7 @@ def test_parity_on_the_ladder_weights_tells_another_input_from_rounding(model, r
     assert against_another_input(compare(bf16, ref, "fp8"), other, ref, "fp8")["ok"]
 
 
+@pytest.mark.quick
 def test_speedups_dividing_two_different_gpus_are_marked():
     """A speed-up over eager is marked where eager and the rung ran on GPUs of different models, or of one model
     whose measured matmul rates differ by more than 3%; one GPU, or two alike, stay unmarked."""
@@ -197,6 +210,7 @@ def test_speedups_dividing_two_different_gpus_are_marked():
             records.document([eager, rung], {"cpu": "x"}, {}))) == marked
 
 
+@pytest.mark.quick
 def test_the_terminal_table_tells_two_resolutions_apart():
     from rich.console import Console
 
@@ -208,6 +222,7 @@ def test_the_terminal_table_tells_two_resolutions_apart():
     assert "res" not in console.export_text().splitlines()[1].split()
 
 
+@pytest.mark.quick
 def test_the_markdown_key_matches_the_device_and_a_merged_report_has_no_single_start():
     assert "CUDA events" in report.how_to_read(gpu=True)
     cpu = report.how_to_read(gpu=False)
@@ -220,6 +235,7 @@ def test_the_markdown_key_matches_the_device_and_a_merged_report_has_no_single_s
     assert "CUDA events" not in text
 
 
+@pytest.mark.quick
 def test_chain_tune_writes_only_a_gain_beyond_noise():
     """bench/chain_tune.py's rounds as the H100 measured them (per graph replay, us, alternating): fp8 at batch 256
     is 7% faster and is written; tf32 at batch 256 is 0.3% faster by its medians with its rounds overlapping, and
@@ -234,6 +250,7 @@ def test_chain_tune_writes_only_a_gain_beyond_noise():
     assert not faster_beyond_noise(fp8[1], fp8[0], 0.01)[0]  # slower
 
 
+@pytest.mark.quick
 def test_chain_tune_names_each_changed_key_with_its_time_before_and_after():
     """Each changed key's line: the table entry's own time in the chain, the chosen one's (medians over the layers
     that share the key), and the chosen configuration; a key whose table entry was not timed says so."""
@@ -247,6 +264,7 @@ def test_chain_tune_names_each_changed_key_with_its_time_before_and_after():
                      "k2: ? -> 5.0 us (BLOCK_M=128 BLOCK_N=64 warps=4 stages=3)"]
 
 
+@pytest.mark.quick
 def test_chain_tune_leaves_the_keys_another_dtype_shares():
     """fp8's stem and classifier run bf16 on the very keys of the bf16 cell: tuning fp8's chain must not choose
     for them (keys as the H100 table holds them: kernel|shape|tensor dtypes, the weights second)."""
@@ -260,6 +278,7 @@ def test_chain_tune_leaves_the_keys_another_dtype_shares():
     assert own_keys([e4m3, e4m3_from_bf16, bf16], "bf16") == [bf16]
 
 
+@pytest.mark.quick
 def test_option_ab_takes_two_values_the_rung_accepts():
     from bench.option_ab import parse_option
 

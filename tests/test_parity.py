@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton rung on the CPU: its kernels under the interpreter
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from core.model import build_model, make_input  # noqa: E402
@@ -13,6 +14,7 @@ from core.recipes import folded, recipe_output, round_tf32  # noqa: E402
 from harness.mutations import MutationConfig, caught, forward_rows, training_rows  # noqa: E402
 
 
+@pytest.mark.quick
 def test_round_tf32_keeps_ten_mantissa_bits_to_nearest_ties_away():
     one = torch.tensor([1.0 + 2**-11, 1.0 + 2**-12, 1.0 + 3 * 2**-11, -(1.0 + 2**-11)])
     assert round_tf32(one).tolist() == [1.0 + 2**-10, 1.0, 1.0 + 2**-9, -(1.0 + 2**-10)]

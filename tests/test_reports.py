@@ -143,6 +143,7 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
     assert "| verdict |" in (tmp_path / "same.md").read_text()
 
 
+@pytest.mark.quick
 def test_bootstrap_interval_brackets_one_for_one_distribution_and_excludes_it_for_a_shift():
     import numpy as np
 
@@ -155,6 +156,7 @@ def test_bootstrap_interval_brackets_one_for_one_distribution_and_excludes_it_fo
     assert compare.verdict(ratio, low, high, 0.10) == "within noise"  # real, but under the threshold
 
 
+@pytest.mark.quick
 def test_several_runs_a_side_put_the_spread_between_runs_into_the_interval():
     """Two runs a side whose medians differ by 10% between processes: B is 5% slower in each pair. One pair alone
     is a tight, clear 'regression'; over both runs a side the interval covers the runs' spread and brackets 1."""
@@ -171,6 +173,7 @@ def test_several_runs_a_side_put_the_spread_between_runs_into_the_interval():
     assert low > 1.2 and compare.verdict(ratio, low, high, 0.03) == "regression"
 
 
+@pytest.mark.quick
 def test_noise_floor_by_class_and_host_share():
     """One run a side: a GPU-bound cell needs the GPU floor, a cell paced by its host the host floor, a CPU cell the
     CPU floor."""
@@ -252,6 +255,7 @@ def test_tiers_fits_80_columns():
     assert "cudnn" in table and "Why not:" in proc.stdout
 
 
+@pytest.mark.quick
 def test_markdown_table_takes_every_key_of_rows_that_differ():
     # The cuDNN microbenchmark's rows differ: only an unfused layer says why it is unfused.
     rows = [{"layer": "conv1", "fused": False, "unfused_reason": "faster unfused", "median_ms": 0.3066},
@@ -282,6 +286,7 @@ def test_the_markdown_opens_with_rungs_by_dtype_and_drops_empty_columns(sweep):
     assert "GPU MiB (NVML)" not in header and "alloc MiB" not in header and "median ms" in header
 
 
+@pytest.mark.quick
 def test_micro_training_table_fits_100_columns_with_whole_layer_names():
     """The cudnn rung's training micro table, from a real H100 run's rows (290 steps, names up to 21 characters):
     at 100 columns every line fits and no layer name is cut or folded."""

@@ -122,6 +122,7 @@ def test_onnx_digest_follows_the_file(resnet18, tmp_path):
     assert onnx_digest(paths[0]) != onnx_digest(paths[1])
 
 
+@pytest.mark.quick
 def test_profile_covers_batch_one_to_max():
     assert profile_shapes(Cell(tier="tensorrt", batch=32, res=224)) == ((1, 3, 224, 224), (32, 3, 224, 224),
                                                                         (256, 3, 224, 224))
@@ -131,6 +132,7 @@ def test_profile_covers_batch_one_to_max():
     assert profile_shapes(cell)[2] == (64, 3, 32, 32)
 
 
+@pytest.mark.quick
 def test_engine_key_changes_with_everything_the_engine_depends_on():
     base = {"model": "resnet50", "onnx_sha": "ab" * 32, "shapes": profile_shapes(Cell(tier="tensorrt", batch=32)),
             "dtype": "fp16", "trt_version": "tensorrt 10.9.0.34", "gpu": ("NVIDIA H100 80GB HBM3", (9, 0))}
@@ -143,6 +145,7 @@ def test_engine_key_changes_with_everything_the_engine_depends_on():
     assert engine_key(**{**base, "gpu": ("NVIDIA H100 80GB HBM3", (8, 9))}) != key
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(not NO_TENSORRT, reason="TensorRT is installed here")
 def test_tensorrt_unavailable_reasons():
     assert TRT.availability("cuda") == ("TensorRT Python package not installed (PyPI's `tensorrt` is a stub that "
@@ -156,6 +159,7 @@ def test_module_checks_on_real_modules():
     assert module is None and "has no Builder" in reason
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(not NO_TRT_EP, reason="this onnxruntime has the TensorRT EP")
 def test_ort_tensorrt_unavailable_reasons():
     providers = ", ".join(ort.get_available_providers())
@@ -164,6 +168,7 @@ def test_ort_tensorrt_unavailable_reasons():
     assert ORT_TRT.availability("cpu") == "TensorRT needs an NVIDIA GPU"
 
 
+@pytest.mark.quick
 def test_ort_tensorrt_skips_strict_fp32():
     assert "TF32" in ORT_TRT.supports(Cell(tier="ort-tensorrt", dtype="fp32"))
     assert ORT_TRT.supports(Cell(tier="ort-tensorrt", dtype="tf32")) is None

@@ -145,6 +145,7 @@ def test_the_hand_written_cudnn_rung_learns_as_eager_does(tmp_path):
     final_within_points_of_eager(doc, 1.5)
 
 
+@pytest.mark.quick
 def test_the_schedule_warms_up_then_decays_to_zero():
     """Rates rise linearly to the peak at the end of the warm-up epochs, then fall along a cosine, to near zero at
     the last step; a run too short for the warm-up warms up over half of it."""
@@ -157,6 +158,7 @@ def test_the_schedule_warms_up_then_decays_to_zero():
     assert max(learning_rates(0.1, epochs=2, steps=4, warmup_epochs=3).flatten().tolist()[:4]) == pytest.approx(0.1)
 
 
+@pytest.mark.quick
 def test_agreement_reads_each_rung_against_eager_and_its_twin():
     """Epochs beyond 1.5 points of eager, and of those the ones beyond the twin's own distance at that epoch."""
     from harness.accuracy import agreement
