@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.cell import Cell  # noqa: E402
 from harness.compare import NOISE_FLOOR, host_share, noise_class  # noqa: E402
 from harness.record import ranked  # noqa: E402
-from harness.report import load_records  # noqa: E402
+from harness.load import load_records  # noqa: E402
 from tiers import identity  # noqa: E402
 
 BANDS = ((0.0, 0.5), (0.5, 0.8), (0.8, float("inf")))  # host share of a GPU cell's latency

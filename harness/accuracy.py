@@ -47,7 +47,7 @@ from harness.contract import ERROR, TRAIN_RESULT_KEYS, Protocol, contract_argv
 from harness.plan import command_line
 from harness.plots import accuracy_curves
 from harness.refusal import Refusal
-from harness.report import markdown_table
+from harness.tables import markdown_table
 from tiers import all_tiers
 from tiers.base import ExternalTier, PythonTier
 

@@ -12,12 +12,12 @@ from typing import Any
 from rich.console import Console
 
 from core.files import write_text_atomic
-from harness import ladder, plots
+from harness import census_plot, ladder
 from harness.census import comparable, unattributed_share
 from harness.micro import side_by_side_markdown, side_by_side_table
 from harness.plan import LadderConfig
 from harness.refusal import Refusal
-from harness.report import markdown_table
+from harness.tables import markdown_table
 
 CENSUS_STEPS = 5  # calls profiled per cell: each kernel's median over them
 
@@ -61,7 +61,7 @@ def show_and_write(out: dict, json_path: Path, md_path: Path) -> None:
     console.print(side_by_side_table(title, f"each rung: {CELL_FORMAT}; every kernel: --json", display))
     for line in out["missing"] + out["partial"]:
         console.print(line, markup=False, style="yellow", overflow="ellipsis", no_wrap=True)
-    plot = plots.census_groups(out, md_path.parent / "census.png")
+    plot = census_plot.census_groups(out, md_path.parent / "census.png")
     write_text_atomic(json_path, json.dumps(out, indent=1))
     write_text_atomic(md_path, census_markdown(title, out, display, plot))
     console.print(f"JSON: {json_path}  markdown: {md_path}" + (f"  plot: {plot}" if plot else ""), markup=False)

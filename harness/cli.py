@@ -17,6 +17,7 @@ from core.mutations import FORWARD, TRAINING
 from harness import accuracy, census_report, compare, ladder, layers_report, listing, micro, mutations, report
 from harness.contract import Protocol
 from harness.executor import EXECUTORS
+from harness.load import BadInput
 from harness.plan import LadderConfig
 from harness.refusal import Refusal
 from tiers import all_tiers
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except Refusal as e:
         return refuse(f"{args.command}: {e}", e.status)
-    except report.BadInput as e:
+    except BadInput as e:
         return refuse(f"{args.command}: {e}")
     except KeyboardInterrupt:  # a command without stages of its own to keep (ladder's keep every finished cell)
         return refuse(f"{args.command}: interrupted", 130)

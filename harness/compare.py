@@ -23,7 +23,8 @@ from core.cell import Cell, layout_name
 from core.files import write_text_atomic
 from core.stats import median
 from harness.record import bound, ranked
-from harness.report import BadInput, load_records, markdown_table
+from harness.load import BadInput, load_records
+from harness.tables import markdown_table
 from tiers import identity
 
 FAILED = ("crashed", "oom", "timeout", "error", "parity-fail", "contended")

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from core.cell import Cell
 from core.env import default_device, device_slug, environment, visible_gpus, where
 from core.files import write_text_atomic
-from harness import report
+from harness import derive, report
 from harness.context import Context
 from harness.host_noise import host_cpu_probe
 from harness.executor import run_units
@@ -189,7 +189,7 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
         report.print_table(console, report.rich_table(records, wide=config.wide, title=title), config.wide)
     for line in report.failure_lines(records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
-    for line in report.fastest_lines(records):
+    for line in derive.fastest_lines(records):
         console.print(line, markup=False)
     if contended_line(records):
         console.print(contended_line(records), markup=False, style="yellow")

@@ -15,7 +15,7 @@ from rich.table import Table
 from core.env import default_device, environment
 from core.files import write_text_atomic
 from harness.refusal import Refusal
-from harness.report import columns, markdown_table
+from harness.tables import columns, markdown_table
 from tiers import get_tier
 
 

@@ -28,7 +28,7 @@ from core.placement import memory_format, set_math_mode, torch_dtype
 from core.recipes import recipe_output
 from harness.context import shipped_tunings
 from harness.record import recipe_references
-from harness.report import markdown_table
+from harness.tables import markdown_table
 from tiers import get_tier
 
 RUNGS = ("eager", "triton")

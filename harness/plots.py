@@ -8,14 +8,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from core.cell import DTYPES
-from harness.census import comparable
 from harness.record import CONTENDED_MARK, contended, ranked
 
 MIB = 2**20
 TASK_NAMES = {"infer": "inference", "train": "training"}
 
 
-def _pyplot():
+def pyplot():
     import matplotlib  # matplotlib: a second to import, only when plotting
 
     matplotlib.use("Agg")  # files only; no display on a GPU host
@@ -28,7 +27,7 @@ def _layout(r: dict) -> str:
     return "nhwc" if r["channels_last"] else "nchw"
 
 
-def _where(doc: dict) -> str:
+def describe_run(doc: dict) -> str:
     env = doc.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name")
     models = doc.get("model") or ", ".join(sorted({r["model"] for r in doc["results"]}))
@@ -37,7 +36,7 @@ def _where(doc: dict) -> str:
 
 def _colours(labels) -> dict[str, tuple]:
     """One colour per rung, the same in every plot of a document."""
-    plt = _pyplot()
+    plt = pyplot()
     cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     return {label: cmap(i % cmap.N) for i, label in enumerate(sorted(labels))}
 
@@ -56,7 +55,7 @@ def _batch_axis(ax, batches) -> None:
     ax.set_xlabel("batch size (images)")
 
 
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
     """One legend for the whole figure, below the panels (it never hides data), then the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handles = {}
@@ -70,7 +69,7 @@ def _save(fig, path: Path) -> Path:
     else:
         fig.tight_layout()
     fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -121,13 +120,13 @@ def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
     ok = [r for r in doc["results"] if ranked(r)]
     if len({r["batch"] for r in ok}) < 2:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     panels = _by_panel(ok)
     colours = _colours({r["label"] for r in ok})
     what = ("throughput, img/s (batch / median latency; one batch at a time; bars: 95% CI)"
             if metric == "throughput" else
             f"latency per {_per_call(ok)}, median ms (bars: 95% CI of the median)")
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: {what}")
+    fig, axes = _panels(plt, list(panels), f"{describe_run(doc)}: {what}")
     for key, records in panels.items():
         ax = axes[key]
         for label, rs in _by_rung(records):
@@ -147,7 +146,7 @@ def against_batch(doc: dict, path: Path, metric: str) -> Path | None:
         ax.set_ylabel("img/s" if metric == "throughput" else f"ms per {_per_call(records)}")
         ax.set_title(_panel_name(key, list(panels)), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def call_costs(r: dict) -> dict[str, float]:
@@ -172,10 +171,10 @@ def overhead(doc: dict, path: Path) -> Path | None:
     if not ok:
         return None
     panels = _at_batch(ok, min)
-    plt = _pyplot()
+    plt = pyplot()
     gpu = any(r["device"] == "cuda" for r in ok)
     parts_said = "medians; e2e parts from the end-to-end pass" if gpu else "median host wall time"
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: where one {_per_call(ok)}'s time goes at the smallest "
+    fig, axes = _panels(plt, list(panels), f"{describe_run(doc)}: where one {_per_call(ok)}'s time goes at the smallest "
                                            f"batch ({parts_said}; bars: 95% CI of the median)", width=6.4,
                         height=0.45 * max(len(v) for v in panels.values()) + 2.2)
     parts = ["guard check (host)", "issue on the host", "GPU after the last launch", "forward (host wall clock)",
@@ -198,7 +197,7 @@ def overhead(doc: dict, path: Path) -> Path | None:
         ax.set_xlabel("ms per call")
         ax.set_title(f"{_panel_name(key, list(panels))}, batch {records[0]['batch']}", fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def first_result(doc: dict, path: Path) -> Path | None:
@@ -219,9 +218,9 @@ def first_result(doc: dict, path: Path) -> Path | None:
         if prep.get("start") == "cold":
             jobs = prep.get("concurrent_jobs", 0)
             bars.append((f"{label} cold, prepare stage ({cell}, {jobs} job{'s' if jobs != 1 else ''} beside)", prep))
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.4 * len(bars) + 2.2))
-    ax.set_title(f"{_where(doc)}:\ntime to the first result in a fresh process (wall clock)", fontsize=11)
+    ax.set_title(f"{describe_run(doc)}:\ntime to the first result in a fresh process (wall clock)", fontsize=11)
     left = [0.0] * len(bars)
     for part, colour, name in (("load_s", "#9467bd", "load weights"), ("build_s", "#ff7f0e", "build"),
                                ("first_result_s", "#1f77b4", "first call (synchronised)")):
@@ -231,7 +230,7 @@ def first_result(doc: dict, path: Path) -> Path | None:
     ax.set_xlabel("seconds")
     ax.tick_params(axis="y", labelsize=9)
     ax.grid(True, axis="x", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def memory(doc: dict, path: Path) -> Path | None:
@@ -244,9 +243,9 @@ def memory(doc: dict, path: Path) -> Path | None:
     series = (("allocator_peak_bytes", "torch allocator peak, steady state"),
               ("nvml_process_peak_bytes", "NVML process peak (CUDA context included)"),
               ("rss_peak_bytes", "host RSS peak"))
-    plt = _pyplot()
+    plt = pyplot()
     at = "the largest batch" if len({r["batch"] for r in ok}) > 1 else f"batch {ok[0]['batch']}"
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: memory per rung at {at}", width=6.4,
+    fig, axes = _panels(plt, list(panels), f"{describe_run(doc)}: memory per rung at {at}", width=6.4,
                         height=0.5 * max(len(v) for v in panels.values()) + 2.2)
     for key, records in panels.items():
         ax = axes[key]
@@ -264,7 +263,7 @@ def memory(doc: dict, path: Path) -> Path | None:
         ax.set_xlabel("MiB")
         ax.set_title(f"{_panel_name(key, list(panels))}, batch {records[0]['batch']}", fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def tflops_share(doc: dict, path: Path) -> Path | None:
@@ -276,8 +275,8 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
     panels = _by_panel(ok)
     colours = _colours({r["label"] for r in ok})
     peaks = ((doc.get("peak_tflops") or {}).get("measured") or {})
-    plt = _pyplot()
-    fig, axes = _panels(plt, list(panels), f"{_where(doc)}: achieved TFLOP/s as a share of the measured matmul rate")
+    plt = pyplot()
+    fig, axes = _panels(plt, list(panels), f"{describe_run(doc)}: achieved TFLOP/s as a share of the measured matmul rate")
     for key, records in panels.items():
         ax = axes[key]
         for label, rs in _by_rung(records):
@@ -288,14 +287,14 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
         peak = peaks.get(key[1])
         ax.set_title(_panel_name(key, list(panels)) + (f" (matmul {peak:.0f} TFLOP/s)" if peak else ""), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def accuracy_curves(doc: dict, path: Path) -> Path:
     """train-to-accuracy: test accuracy after each epoch, one line per rung; below, each rung's distance from
     eager's curve in points, against the bar (doc's agreement_points) and the distance of eager's own twin in the other
     layout (what rounding alone moves the curve by), shaded."""
-    plt = _pyplot()
+    plt = pyplot()
     agreement = doc.get("agreement") or {}
     fig, axes = plt.subplots(2 if agreement else 1, 1, figsize=(7, 7 if agreement else 4.2), sharex=True,
                              squeeze=False, gridspec_kw={"height_ratios": [3, 2] if agreement else [1]})
@@ -331,7 +330,7 @@ def accuracy_curves(doc: dict, path: Path) -> Path:
         dist.set_ylim(bottom=0)
         dist.grid(True, alpha=0.3)
     axes[-1][0].set_xlabel("epoch")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 PLOTS = {  # file stem: (caption, drawer)
@@ -360,63 +359,3 @@ def write_plots(doc: dict, directory: Path) -> list[tuple[str, Path]]:
         if path:
             written.append((caption, path))
     return written
-
-
-def census_groups(doc: dict, path: Path) -> Path | None:
-    """`micro --tiers`: one stacked bar per rung, its kernels' time per call by layer group, with the call's measured
-    latency beside it (what the kernels leave unexplained is the host's); the same bars as shares of each rung's
-    kernel time, where rungs of very different speed still compare; and, rung by rung in the order given, the time
-    each group gains over the rung before it (eager -> compile -> cudnn: where compile gains over eager, and cudnn
-    over compile)."""
-    rungs = doc["census"]
-    if not rungs:
-        return None
-    plt = _pyplot()
-    groups = list(dict.fromkeys(g["group"] for r in rungs for g in r["groups"]))
-    cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
-    fig, (ms_ax, share_ax, gain_ax) = plt.subplots(1, 3, figsize=(max(13.0, 3.2 * len(rungs) + 4), 4.8))
-    call = "step" if doc["task"] == "train" else "forward"
-    named: set[str] = set()  # each group once in the legend
-    for x, r in enumerate(rungs):
-        bottom = share = 0.0
-        for g in r["groups"]:
-            colour = cmap(groups.index(g["group"]) % cmap.N)
-            ms_ax.bar(x, g["ms"], bottom=bottom, width=0.6, color=colour,
-                      label=None if g["group"] in named else g["group"])
-            part = 100 * g["ms"] / r["kernel_ms"] if r["kernel_ms"] else 0.0
-            share_ax.bar(x, part, bottom=share, width=0.6, color=colour)
-            named.add(g["group"])
-            bottom += g["ms"]
-            share += part
-        if r.get("measured_ms"):
-            ms_ax.plot([x - 0.4, x + 0.4], [r["measured_ms"]] * 2, "k--", lw=1.2,
-                       label=f"measured latency per {call} (median)" if x == 0 else None)
-    for ax in (ms_ax, share_ax):
-        ax.set_xticks(range(len(rungs)), [r["label"] for r in rungs], rotation=20 if len(rungs) > 3 else 0)
-        ax.grid(True, axis="y", alpha=0.3)
-    width = 0.8 / max(len(groups), 1)
-    for x, (before, after) in enumerate(zip(rungs, rungs[1:])):
-        if not (comparable(before) and comparable(after)):  # a group holding part of a rung's time gains nothing
-            gain_ax.text(x, 0, "not compared:\npart of a rung's\ntime in no layer", ha="center", va="bottom",
-                         fontsize=7)
-            continue
-        was = {g["group"]: g["ms"] for g in before["groups"]}
-        now = {g["group"]: g["ms"] for g in after["groups"]}
-        for k, group in enumerate(groups):
-            if group in was and group in now:
-                gain_ax.bar(x - 0.4 + (k + 0.5) * width, was[group] - now[group], width,
-                            color=cmap(k % cmap.N))
-    gain_ax.axhline(0, color="black", lw=0.8)
-    gain_ax.set_xticks(range(len(rungs) - 1), [f"{a['label']}\n-> {b['label']}" for a, b in zip(rungs, rungs[1:])],
-                       fontsize=8)
-    gain_ax.set_ylabel("ms gained per group (below 0: lost)")
-    gain_ax.set_title("each rung against the one before it", fontsize=10)
-    gain_ax.grid(True, axis="y", alpha=0.3)
-    unit = "kernels" if rungs[0]["unit"].startswith("GPU") else "CPU operators"
-    ms_ax.set_ylabel(f"ms per {call}: {unit}' time by layer group")
-    ms_ax.set_title("time", fontsize=10)
-    share_ax.set_ylabel(f"% of the rung's {unit}' time")
-    share_ax.set_title("share", fontsize=10)
-    fig.suptitle(textwrap.fill(f"{_where(doc)}, batch {doc['batch']}, {doc['dtype']}: where each rung's time goes",
-                               90), fontsize=10)
-    return _save(fig, path)

@@ -1,142 +1,25 @@
-"""Reports from the records: the JSON document (the source of truth), markdown, CSV and the rich table."""
+"""Reports from the records: the JSON document (the source of truth), markdown, CSV and the rich table, and the
+`report` command that re-renders them (harness/load.py reads the files, harness/derive.py the figures)."""
 from __future__ import annotations
 
 import csv
 import io
 import json
 from pathlib import Path
-from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from core.cell import Cell, layout_name
+from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
+from harness.derive import (CROSS_GPU, CROSS_RUN, PEAK_SPREAD, eager_baseline, fastest_lines, fmt, mixes_gpus,
+                            mixes_host_draws, rows, speedup)
+from harness.load import BadInput, load_records
 from harness.plots import write_plots
-from core.cell import DTYPES
 from harness.record import CONTENDED_MARK, bound, contended, contended_line, document, ranked
-from harness.rundir import read_jsonl
-from tiers import identity
-
-
-BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is over eager in its activations' type
-
-
-def eager_baseline(records: list[dict], r: dict) -> dict | None:
-    dtype = BASELINE_DTYPE.get(r["dtype"], r["dtype"])
-    for e in records:
-        if (e["tier"] == "eager" and not e["cuda_graph"] and e["status"] == "ok"
-                and e.get("task", "infer") == r.get("task", "infer") and e["dtype"] == dtype
-                and all(e[k] == r[k] for k in ("model", "batch", "res", "channels_last", "device"))):
-            return e
-    return None
-
-
-def speedup(base: dict | None, r: dict) -> float | None:
-    """r's speed-up over its eager baseline (eager_baseline)."""
-    if base is None or not ranked(r):
-        return None
-    return base["latency_ms"]["median"] / r["latency_ms"]["median"]
-
-
-CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
-
-
-def mixes_host_draws(base: dict | None, r: dict) -> bool:
-    """Whether r's speed-up over eager divides figures of two runs (a merged report) of which one is host-bound:
-    each then measured its own run's host, so the ratio moves with both hosts, not with the rungs alone."""
-    return base is not None and base.get("run") != r.get("run") and "host" in (bound(base), bound(r))
-
-
-CROSS_GPU = "‡"  # marks a speed-up whose two figures come from two GPUs that differ (mixes_gpus)
-PEAK_SPREAD = 0.03  # matmul rates further apart than this make two GPUs of one model different machines
-
-
-def mixes_gpus(base: dict | None, r: dict) -> bool:
-    """Whether r's speed-up over eager divides figures of two GPUs of different models, or of one model whose
-    measured matmul rates in the cell's dtype differ by more than PEAK_SPREAD."""
-    a, b = ((x or {}).get("where", {}).get("gpu") for x in (base, r))
-    if not a or not b or a["uuid"] == b["uuid"]:
-        return False
-    if a["name"] != b["name"]:
-        return True
-    pa, pb = ((g.get("matmul_tflops") or {}).get(r["dtype"]) for g in (a, b))
-    return bool(pa and pb) and abs(pa / pb - 1) > PEAK_SPREAD
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return "" if v is None else format(v, spec)
-
-
-def rows(records: list[dict]) -> list[dict[str, str]]:
-    """One flat row per record: what the tables show."""
-    out = []
-    for r in records:
-        ok = r["status"] == "ok"
-        speed = ranked(r)  # an interpreted cell's timings are shown as such, never as img/s or a speed-up
-        lat = r.get("latency_ms") or {}
-        mem = r.get("memory") or {}
-        nv = mem.get("nvml_process_peak_bytes")
-        alloc = mem.get("allocator_peak_bytes")
-        par = r.get("parity") or {}
-        base = eager_baseline(records, r)
-        vs_eager = speedup(base, r)
-        out.append({
-            "rung": r["label"] + (" (interpreted)" if ok and not speed else "") + (CONTENDED_MARK if ok and contended(r)
-                                                                                 else ""),
-            "task": r.get("task", "infer"),
-            "batch": str(r["batch"]),
-            "res": str(r["res"]),
-            "dtype": r["dtype"],
-            "layout": layout_name(r["channels_last"]),
-            "start": r.get("start") or "",
-            "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
-            "median ms": _fmt(lat.get("median"), ".3f") if ok else "",
-            "p99 ms": _fmt(lat.get("p99"), ".3f") if ok else "",
-            "CV %": _fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
-            "img/s": _fmt(r.get("throughput_img_s"), ",.0f") if speed else "",
-            "pipelined img/s": _fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
-            "vs eager": (_fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
-                         + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
-            "host us/call": _fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
-            "bound": bound(r) or "",
-            "TFLOP/s": _fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
-            "first result s": _fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
-            "img/J": _fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
-            "GPU MiB (NVML)": _fmt(nv / 2**20, ".0f") if nv else "",
-            "alloc MiB": _fmt(alloc / 2**20, ".0f") if alloc else "",
-            "parity": ("" if par.get("ok") is None else
-                       f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
-            "err/eager": _fmt(par.get("ratio_to_eager"), ".2f"),
-            "recipe err": _fmt((par.get("recipe") or {}).get("norm_rel_err"), ".1e"),
-        })
-    return out
-
-
-def columns(table: list[dict[str, Any]]) -> list[str]:
-    """Every key of the rows, in the order of first appearance (a row may lack some)."""
-    return list(dict.fromkeys(k for row in table for k in row))
-
-
-def markdown_table(table: list[dict[str, Any]]) -> list[str]:
-    """Rows of dicts as markdown lines (a key a row lacks: empty); floats with three decimals."""
-    if not table:
-        return []
-    cols = columns(table)
-
-    def cell(v: Any) -> str:
-        return (f"{v:.3f}" if isinstance(v, float) else str(v)).replace("|", "/")
-
-    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            + ["| " + " | ".join(cell(row.get(c, "")) for c in cols) + " |" for row in table])
-
-
-def drop_empty_columns(table: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The rows without the columns that are empty in every row (a CPU run's GPU columns, say)."""
-    keep = [c for c in columns(table) if any(row.get(c) for row in table)]
-    return [{c: row.get(c, "") for c in keep} for row in table]
+from harness.tables import markdown_table, drop_empty_columns
 
 
 PIVOT_STATUS = {"skipped": "-", "unavailable": "n/a", "timeout": "timeout", "interrupted": "stopped"}
@@ -310,7 +193,7 @@ def to_csv(doc: dict) -> str:
              "task": r.get("task", "infer")}
         base = eager_baseline(records, r)
         w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
-                   + [_fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r), mixes_gpus(base, r)])
+                   + [fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r), mixes_gpus(base, r)])
     return buf.getvalue()
 
 
@@ -397,23 +280,6 @@ def ray_line(records: list[dict]) -> str | None:
             f"({dispatch[-1]:.2f} s most), its records back {back[len(back) // 2] * 1e3:.0f} ms median")
 
 
-def fastest_lines(records: list[dict]) -> list[str]:
-    """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
-    ok = [r for r in records if ranked(r)]
-    out = []
-    def config(r: dict) -> tuple:
-        return r.get("task", "infer"), r["batch"], r["dtype"], r["channels_last"], r["res"]
-
-    for key in sorted({config(r) for r in ok}):
-        best = min((r for r in ok if config(r) == key), key=lambda r: r["latency_ms"]["median"])
-        lead = speedup(eager_baseline(records, best), best)
-        out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
-                   f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
-                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else "")
-                   + (f"{CONTENDED_MARK}: measured beside other load" if contended(best) else ""))
-    return out
-
-
 def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Path | None) -> list[Path]:
     """The files asked for; the markdown report gets its plots in plots/ beside it. Returns the plots written."""
     plots: list = []
@@ -428,50 +294,6 @@ def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Pat
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(path, text())
     return [p for _, p in plots]
-
-
-class BadInput(Exception):
-    """A report input that is not ladder results (one line says which and why)."""
-
-
-def load_records(paths: list[Path]) -> tuple[list[dict], dict]:
-    """Records from results.jsonl files (with their run.json) or earlier JSON documents; later files win on the
-    same cell (`Cell.identity`). Each record gets `run`, an index into meta['runs'] (source and environment of its
-    run), so a report merged from several machines says which machine measured what. Raises BadInput."""
-    by_key: dict[str, dict] = {}
-    meta: dict[str, Any] = {"runs": []}
-    for p in paths:
-        if p.is_dir():
-            raise BadInput(f"{p}: is a directory; give its results.jsonl or ladder.json")
-        if not p.is_file():
-            raise BadInput(f"{p}: no such file")
-        if p.stat().st_size == 0:
-            raise BadInput(f"{p}: empty file")
-        if p.suffix == ".jsonl":
-            recs = read_jsonl(p)
-            run_json = p.with_name("run.json")
-            run_meta = json.loads(run_json.read_text()) if run_json.exists() else {}
-        else:
-            try:
-                d = json.loads(p.read_text(errors="replace"))
-            except json.JSONDecodeError as e:
-                raise BadInput(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
-            if not isinstance(d, dict) or not isinstance(d.get("results"), list):
-                raise BadInput(f"{p}: not a ladder JSON document (no 'results' list); give a ladder.json or a "
-                               "results.jsonl")
-            recs = d["results"]
-            run_meta = {k: v for k, v in d.items()
-                        if k not in ("results", "definitions", "schema_version", "generated")}
-        bad = [i for i, r in enumerate(recs) if not isinstance(r, dict) or not {"tier", "status", "batch"} <= set(r)]
-        if bad:
-            raise BadInput(f"{p}: record {bad[0]} is not a ladder record")
-        meta.update({k: v for k, v in run_meta.items() if k != "runs"})
-        run = len(meta["runs"])
-        meta["runs"].append({"source": str(p), "environment": run_meta.get("environment"),
-                             "peak_tflops": run_meta.get("peak_tflops")})
-        for r in recs:
-            by_key[identity(Cell.of_record(r))] = {**r, "run": run}
-    return list(by_key.values()), meta
 
 
 def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, csv_path: Path | None,

@@ -162,7 +162,7 @@ def test_fp8_is_the_triton_rungs_own_and_its_baseline_is_eager_bf16():
     """--dtype fp8: the triton rung runs it; every other rung says it does not implement fp8, and the CPU that it
     is a GPU configuration; an fp8 cell's speed-up is over eager in bf16, the type of its activations."""
     from core.cell import Cell
-    from harness.report import eager_baseline
+    from harness.derive import eager_baseline
     from tiers import all_tiers
 
     gpu = {name: tier.supports(Cell(tier=name, dtype="fp8", device="cuda")) for name, tier in all_tiers().items()}

@@ -80,7 +80,8 @@ def test_compile_reports_compiler_facts(python_rungs):
 def test_markdown_report(python_rungs):
     md = (python_rungs / "ladder.md").read_text()
     assert md.index("| rung | fp32 |") < md.index("## Every cell")  # the rung x dtype table first
-    table = [line for line in md[md.index("## Every cell"):].splitlines() if line.startswith("| ")]
+    table = [line.replace(" (contended)", "") for line in md[md.index("## Every cell"):].splitlines()
+             if line.startswith("| ")]  # a cell timed on a busy host is marked so
     assert table[0].startswith("| rung | task | batch | res | dtype | layout | start | status | median ms")
     assert len(table) == 1 + 4  # header + one row per cell
     assert any(line.startswith("| compile(default) | infer | 2 | 32 | fp32 | nchw | warm-start | ok |")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import host_noise, report
+from harness import derive, host_noise, report
 from harness import record as records
 from core.parity import TOLERANCES, compare
 from core.stats import summarize
@@ -90,10 +90,10 @@ def test_an_interpreted_cell_is_labelled_and_never_ranked():
     the fastest lines and compare pass it over; a compiled cell of the same shape is ranked."""
     eager = record(latency_ms=2.0)
     fast_but_interpreted = record(tier="triton", latency_ms=1.0, interpreted=True)
-    rows = report.rows([eager, fast_but_interpreted])
+    rows = derive.rows([eager, fast_but_interpreted])
     assert rows[1]["rung"] == "triton (interpreted)" and rows[1]["img/s"] == rows[1]["vs eager"] == ""
-    assert "fastest eager" in report.fastest_lines([eager, fast_but_interpreted])[0]
-    assert report.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
+    assert "fastest eager" in derive.fastest_lines([eager, fast_but_interpreted])[0]
+    assert derive.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
     from harness.compare import compare as compare_runs
 
     verdicts = {r["rung"]: r["verdict"] for r in compare_runs([[fast_but_interpreted]], [[fast_but_interpreted]], 0.03)}
@@ -113,8 +113,8 @@ def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
     for eager_run, eager_host, rung_run, rung_host, marked in cases:
         eager = record(host_us=eager_host, run=eager_run, latency_ms=2.0)
         rung = record(tier="compile", host_us=rung_host, run=rung_run, latency_ms=1.0)
-        row = report.rows([eager, rung])[1]
-        assert row["vs eager"] == "2.00x" + (report.CROSS_RUN if marked else ""), (eager_run, rung_run, row)
+        row = derive.rows([eager, rung])[1]
+        assert row["vs eager"] == "2.00x" + (derive.CROSS_RUN if marked else ""), (eager_run, rung_run, row)
 
 
 @pytest.mark.quick
@@ -204,7 +204,7 @@ def test_speedups_dividing_two_different_gpus_are_marked():
     ]
     for base_gpu, rung_gpu, marked in cases:
         eager, rung = record(latency_ms=2.0, where=base_gpu), record(tier="cudnn", latency_ms=1.0, where=rung_gpu)
-        row = report.rows([eager, rung])[1]
+        row = derive.rows([eager, rung])[1]
         assert row["vs eager"] == "2.00x" + ("‡" if marked else ""), (base_gpu, rung_gpu)
         assert ("‡ this rung and eager ran on two GPUs" in report.markdown(
             records.document([eager, rung], {"cpu": "x"}, {}))) == marked

@@ -1,0 +1,117 @@
+"""What the reports derive from records, before any rendering: each cell's eager baseline and speed-up (and whether
+it divides two runs' host draws or two GPUs), the flat row every table shows, and the fastest cell per
+configuration."""
+from __future__ import annotations
+
+from core.cell import layout_name
+from harness.record import CONTENDED_MARK, bound, contended, ranked
+
+BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is over eager in its activations' type
+
+
+def eager_baseline(records: list[dict], r: dict) -> dict | None:
+    dtype = BASELINE_DTYPE.get(r["dtype"], r["dtype"])
+    for e in records:
+        if (e["tier"] == "eager" and not e["cuda_graph"] and e["status"] == "ok"
+                and e.get("task", "infer") == r.get("task", "infer") and e["dtype"] == dtype
+                and all(e[k] == r[k] for k in ("model", "batch", "res", "channels_last", "device"))):
+            return e
+    return None
+
+
+def speedup(base: dict | None, r: dict) -> float | None:
+    """r's speed-up over its eager baseline (eager_baseline)."""
+    if base is None or not ranked(r):
+        return None
+    return base["latency_ms"]["median"] / r["latency_ms"]["median"]
+
+
+CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
+
+
+def mixes_host_draws(base: dict | None, r: dict) -> bool:
+    """Whether r's speed-up over eager divides figures of two runs (a merged report) of which one is host-bound:
+    each then measured its own run's host, so the ratio moves with both hosts, not with the rungs alone."""
+    return base is not None and base.get("run") != r.get("run") and "host" in (bound(base), bound(r))
+
+
+CROSS_GPU = "‡"  # marks a speed-up whose two figures come from two GPUs that differ (mixes_gpus)
+PEAK_SPREAD = 0.03  # matmul rates further apart than this make two GPUs of one model different machines
+
+
+def mixes_gpus(base: dict | None, r: dict) -> bool:
+    """Whether r's speed-up over eager divides figures of two GPUs of different models, or of one model whose
+    measured matmul rates in the cell's dtype differ by more than PEAK_SPREAD."""
+    a, b = ((x or {}).get("where", {}).get("gpu") for x in (base, r))
+    if not a or not b or a["uuid"] == b["uuid"]:
+        return False
+    if a["name"] != b["name"]:
+        return True
+    pa, pb = ((g.get("matmul_tflops") or {}).get(r["dtype"]) for g in (a, b))
+    return bool(pa and pb) and abs(pa / pb - 1) > PEAK_SPREAD
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def rows(records: list[dict]) -> list[dict[str, str]]:
+    """One flat row per record: what the tables show."""
+    out = []
+    for r in records:
+        ok = r["status"] == "ok"
+        speed = ranked(r)  # an interpreted cell's timings are shown as such, never as img/s or a speed-up
+        lat = r.get("latency_ms") or {}
+        mem = r.get("memory") or {}
+        nv = mem.get("nvml_process_peak_bytes")
+        alloc = mem.get("allocator_peak_bytes")
+        par = r.get("parity") or {}
+        base = eager_baseline(records, r)
+        vs_eager = speedup(base, r)
+        out.append({
+            "rung": r["label"] + (" (interpreted)" if ok and not speed else "") + (CONTENDED_MARK if ok and contended(r)
+                                                                                 else ""),
+            "task": r.get("task", "infer"),
+            "batch": str(r["batch"]),
+            "res": str(r["res"]),
+            "dtype": r["dtype"],
+            "layout": layout_name(r["channels_last"]),
+            "start": r.get("start") or "",
+            "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
+            "median ms": fmt(lat.get("median"), ".3f") if ok else "",
+            "p99 ms": fmt(lat.get("p99"), ".3f") if ok else "",
+            "CV %": fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
+            "img/s": fmt(r.get("throughput_img_s"), ",.0f") if speed else "",
+            "pipelined img/s": fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
+            "vs eager": (fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
+                         + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
+            "host us/call": fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
+            "bound": bound(r) or "",
+            "TFLOP/s": fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
+            "first result s": fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
+            "img/J": fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
+            "GPU MiB (NVML)": fmt(nv / 2**20, ".0f") if nv else "",
+            "alloc MiB": fmt(alloc / 2**20, ".0f") if alloc else "",
+            "parity": ("" if par.get("ok") is None else
+                       f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
+            "err/eager": fmt(par.get("ratio_to_eager"), ".2f"),
+            "recipe err": fmt((par.get("recipe") or {}).get("norm_rel_err"), ".1e"),
+        })
+    return out
+
+
+def fastest_lines(records: list[dict]) -> list[str]:
+    """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
+    ok = [r for r in records if ranked(r)]
+    out = []
+    def config(r: dict) -> tuple:
+        return r.get("task", "infer"), r["batch"], r["dtype"], r["channels_last"], r["res"]
+
+    for key in sorted({config(r) for r in ok}):
+        best = min((r for r in ok if config(r) == key), key=lambda r: r["latency_ms"]["median"])
+        lead = speedup(eager_baseline(records, best), best)
+        out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
+                   f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
+                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else "")
+                   + (f"{CONTENDED_MARK}: measured beside other load" if contended(best) else ""))
+    return out
