@@ -20,6 +20,17 @@ def require_tools(*tools: str) -> None:
         raise Unavailable(f"{', '.join(missing)} not found on PATH")
 
 
+def cuda_toolkit() -> Path | None:
+    """The CUDA toolkit the C++ rungs build with, found one way for all of them: $CUDA_HOME, $CUDA_PATH, then
+    /usr/local/cuda, each only where it holds bin/nvcc; else the toolkit of PATH's nvcc (a wrapper on PATH would
+    hide where the toolkit is, so the named places come first)."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return Path(home)
+    found = shutil.which("nvcc")
+    return Path(found).resolve().parent.parent if found else None
+
+
 class BuildError(RuntimeError):
     """Our own C++ failed to build: an error of the project, not a reason the rung cannot run here."""
 

@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -31,12 +30,11 @@ from pathlib import Path
 import torch
 
 from core import train
-from core.cbuild import build_dir, cmake_build, sources_missing
+from core.cbuild import build_dir, cmake_build, cuda_toolkit, require_tools, sources_missing
 from core.cell import Cell, Unavailable
 from core.model import build_model, make_input, write_input, training_start, write_weights
 from tiers.base import ExternalTier
 
-TOOLKIT = Path("/usr/local/cuda")
 MICRO_REPS = 20  # timed runs of each convolution in `micro`
 
 
@@ -83,15 +81,6 @@ def _cupti(roots: list[Path]) -> tuple[Path, Path] | None:
     return None
 
 
-def _nvcc() -> Path | None:
-    """The toolkit's own nvcc first (a wrapper on PATH would hide where the toolkit is), then PATH's."""
-    for home in (os.environ.get("CUDA_HOME"), TOOLKIT):
-        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
-            return Path(home) / "bin" / "nvcc"
-    found = shutil.which("nvcc")
-    return Path(found) if found else None
-
-
 def _cudnn_header_version(include: Path) -> str:
     text = (include / "cudnn_version.h").read_text()
     part = {k: re.search(rf"#define CUDNN_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCHLEVEL")}
@@ -103,11 +92,11 @@ def _cudnn_header_version(include: Path) -> str:
 @functools.lru_cache(maxsize=1)
 def toolchain() -> Toolchain:
     """What the build needs, or Unavailable with exactly what is missing."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise Unavailable(f"nvcc not found (not in $CUDA_HOME/bin or {TOOLKIT / 'bin'}, not on PATH)")
-    if shutil.which("cmake") is None:
-        raise Unavailable("cmake not found on PATH")
+    toolkit = cuda_toolkit()
+    if toolkit is None:
+        raise Unavailable("nvcc not found (not in $CUDA_HOME/bin, $CUDA_PATH/bin or /usr/local/cuda/bin, not on PATH)")
+    nvcc = toolkit / "bin" / "nvcc"
+    require_tools("cmake")
     wheels = _wheel_dirs()
     cudnn_roots = [w / "cudnn" for w in wheels]
     cudnn_h = _first(cudnn_roots, "include/cudnn.h")
@@ -118,8 +107,8 @@ def toolchain() -> Toolchain:
     if cudnn_so is None:
         raise Unavailable(f"libcudnn.so.9 not found next to {cudnn_h.parent}")
     # cuBLASLt: PyTorch's wheel first (nvidia/cu13 or nvidia/cublas), else the CUDA toolkit of nvcc.
-    toolkit = nvcc.resolve().parent.parent
-    roots = [*wheels, toolkit, TOOLKIT]
+    toolkit = toolkit.resolve()
+    roots = [*wheels, toolkit]
     lt_h = _first(roots, "*/include/cublasLt.h", "include/cublasLt.h", "targets/*/include/cublasLt.h")
     lt_so = _first(roots, "*/lib/libcublasLt.so.*", "lib64/libcublasLt.so.*", "targets/*/lib/libcublasLt.so.*")
     if lt_h is None:

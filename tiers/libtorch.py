@@ -6,38 +6,30 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from core.cbuild import build_dir, cmake_build, sources_missing
+from core.cbuild import build_dir, cmake_build, cuda_toolkit, require_tools, sources_missing
 from core.cell import Cell, Unavailable
 from tiers.base import ExternalTier
 from tiers.exports import run_export
-
-
-def _cuda_home() -> Path | None:
-    """The CUDA toolkit torch's CMake package should use (it needs the headers and the runtime library)."""
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            return Path(os.environ[env])
-    return Path("/usr/local/cuda") if Path("/usr/local/cuda/bin/nvcc").exists() else None
 
 
 def _missing() -> str | None:
     """Why the C++ project cannot be built here, or None."""
     if sources_missing():
         return sources_missing()
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            return f"{tool} not found on PATH"
+    try:
+        require_tools("cmake", "c++")
+    except Unavailable as e:
+        return str(e)
     config = Path(torch.utils.cmake_prefix_path) / "Torch" / "TorchConfig.cmake"
     if not config.exists():
         return f"torch {torch.__version__} has no CMake package ({config} missing)"
     if torch.version.cuda is None:  # the shared C++ driver (ladder/protocol.h) is built on the CUDA runtime
         return f"torch {torch.__version__} is a CPU-only build; the C++ rungs need a CUDA build of torch"
-    home = _cuda_home()
+    home = cuda_toolkit()
     if home is None or not (home / "include" / "cuda_runtime.h").exists():
         return "CUDA toolkit not found (set CUDA_HOME; torch's CMake package needs its headers and cudart)"
     return None
@@ -64,7 +56,7 @@ class LibTorch(ExternalTier):
         return reason
 
     def _key(self) -> dict[str, str]:
-        return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(_cuda_home().resolve())}
+        return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "toolkit": str(cuda_toolkit().resolve())}
 
     def built(self, cell: Cell) -> bool:
         return _missing() is None and (build_dir("libtorch", self._key(), self.target) / self.target).exists()
@@ -73,7 +65,7 @@ class LibTorch(ExternalTier):
         reason = _missing()
         if reason:
             raise Unavailable(reason)
-        home = _cuda_home()
+        home = cuda_toolkit()
         args = [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
                 f"-DCMAKE_CUDA_COMPILER={home / 'bin' / 'nvcc'}"]
         return [str(cmake_build("libtorch", self._key(), args, self.target))]
