@@ -43,4 +43,5 @@ def mount_point(path: Path) -> Path:
 
 def disk_free(path: Path) -> str:
     """`path`'s disk in words, for a message: its mount point and the MiB free on it."""
-    return f"the disk mounted at {mount_point(path)} ({shutil.disk_usage(mount_point(path)).free / 2**20:.0f} MiB free)"
+    mount = mount_point(path)
+    return f"the disk mounted at {mount} ({shutil.disk_usage(mount).free / 2**20:.0f} MiB free)"

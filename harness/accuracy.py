@@ -114,7 +114,7 @@ def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Te
 
 
 def plural(n: float, word: str) -> str:
-    return f"{n:g} {word}{'' if n == 1 else 's'}"
+    return f"{n:.3g} {word}{'' if n == 1 else 's'}"
 
 
 def learning_rates(peak: float, epochs: int, steps: int, warmup_epochs: int = WARMUP_EPOCHS) -> torch.Tensor:
@@ -275,14 +275,14 @@ def run(config: AccuracyConfig) -> None:
         except Exception as e:  # a rung that fails costs its own curve, not the others'
             failed[label] = " ".join(f"{type(e).__name__}: {e}".split())
             console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
-    warm = min(WARMUP_EPOCHS, config.epochs / 2)
+    warm = (int(rates.argmax()) + 1) / rates.shape[1]  # the epochs the schedule rose over (at most half the run)
     doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,
            "res": config.res, "seed": config.seed, "data": data, "environment": env,
            "recipe": f"torchvision's initialisation with each residual branch's last BatchNorm scale at zero; the "
                      f"step of core/train.py (SGD, momentum 0.9, weight decay 1e-4) at a rate warmed up linearly "
                      f"to 0.1 x batch / 256 = {learning_rate(config.batch):g} over the first {plural(warm, 'epoch')} "
-                     f"(at most half the run), then decayed to zero along a cosine; full shuffled batches; accuracy by the "
-                     f"eager model in eval mode with the rung's weights",
+                     f"(at most half the run), then decayed to zero along a cosine; full shuffled batches; accuracy by "
+                     f"the eager model in eval mode with the rung's weights",
            "learning_rates": rates.tolist(), "command": command_line(config.argv), "rungs": results,
            "agreement": agreement(results, TWIN), "agreement_points": AGREEMENT_POINTS, "skipped": skipped,
            "failed": failed}

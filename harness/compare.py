@@ -22,8 +22,9 @@ from rich.text import Text
 from core.cell import Cell, layout_name
 from core.files import write_text_atomic
 from core.stats import median
-from harness.record import bound, ranked
+from harness import record
 from harness.load import BadInput, load_records
+from harness.record import bound, ranked
 from harness.tables import markdown_table
 from tiers import identity
 
@@ -156,7 +157,7 @@ CONTENDED = "contended: not judged"
 
 
 def contended(records: list[dict]) -> bool:
-    return any((r.get("contention") or {}).get("flagged") for r in records)
+    return any(record.contended(r) for r in records)
 
 
 def mean_median(records: list[dict]) -> float:
@@ -274,7 +275,7 @@ def run(paths: list[Path], threshold: float, markdown_path: Path | None, include
     console.print(f"{n} regression{'s' if n != 1 else ''}, {changed} improvement{'s' if changed != 1 else ''}, "
                   f"{sum(r['verdict'] == 'within noise' for r in rows)} within noise, {not_judged} not judged "
                   f"(threshold {threshold:.1%}; 95% bootstrap CI of the ratio; {floors} cells by their noise floor, "
-                  f"{sum(r['basis'].startswith(tuple('0123456789')) for r in rows)} by the spread between runs)",
+                  f"{sum(' runs' in r['basis'] for r in rows)} by the spread between runs)",
                   markup=False)
     if markdown_path:
         markdown_path.parent.mkdir(parents=True, exist_ok=True)

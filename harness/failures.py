@@ -30,8 +30,8 @@ def failure_status(returncode: int, error_line: str | None, stderr_tail: str,
     a write refused for space, or a death without a word while `disk` (the run directory) is full, is 'error' with
     the disk named."""
     last = stderr_tail.strip().splitlines()[-1][-300:] if stderr_tail.strip() else ""
-    text = f"{error_line or ''} {stderr_tail}".lower()
-    if disk is not None and (any(w in text for w in DISK_FULL_WORDS) or shutil.disk_usage(disk).free < DISK_NEARLY_FULL):
+    said_full = any(w in f"{error_line or ''} {stderr_tail}".lower() for w in DISK_FULL_WORDS)
+    if disk is not None and (said_full or shutil.disk_usage(disk).free < DISK_NEARLY_FULL):
         return "error", f"disk full: {disk_free(disk)}; " + (error_line or last or f"exit code {returncode}, no output")
     if error_line:
         return ("oom" if any(w in error_line.lower() for w in OOM_WORDS) else "error"), error_line

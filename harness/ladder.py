@@ -96,14 +96,15 @@ def run_stages(config: LadderConfig) -> int:
                       f"cells recorded in {run_dir.path}; the same command goes on from there", markup=False,
                       style="yellow")
     ordered_records = [records[identity(c)] for c in cells if identity(c) in records]
-    rerender = (f"{on_disk(run_dir)} in {run_dir.results}, and `python -m harness report {run_dir.results}` "
-                "renders them")
+    def rerender() -> str:  # read only where a write failed: results.jsonl is parsed to count what is on disk
+        return f"{on_disk(run_dir)} in {run_dir.results}, and `python -m harness report {run_dir.results}` renders them"
+
     try:
         write_reports(ordered_records, meta, config, run_dir, builds, time.perf_counter() - t_start, console)
     except OSError as e:  # each report is written whole or not at all (core/files.py): the old one stays valid
-        raise Refusal(f"writing the reports failed: {e}; {rerender}", status=1) from None
+        raise Refusal(f"writing the reports failed: {e}; {rerender()}", status=1) from None
     except KeyboardInterrupt:
-        raise Refusal(f"interrupted while writing the reports; {rerender}", status=130) from None
+        raise Refusal(f"interrupted while writing the reports; {rerender()}", status=130) from None
     return 130 if interrupted else 0
 
 
@@ -191,8 +192,8 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     for line in derive.fastest_lines(records):
         console.print(line, markup=False)
-    if contended_line(records):
-        console.print(contended_line(records), markup=False, style="yellow")
+    if busy := contended_line(records):
+        console.print(busy, markup=False, style="yellow")
     if report.ray_line(records):
         console.print(report.ray_line(records), markup=False)
     if meta["environment"].get("host_cpu"):

@@ -174,8 +174,8 @@ def overhead(doc: dict, path: Path) -> Path | None:
     plt = pyplot()
     gpu = any(r["device"] == "cuda" for r in ok)
     parts_said = "medians; e2e parts from the end-to-end pass" if gpu else "median host wall time"
-    fig, axes = _panels(plt, list(panels), f"{describe_run(doc)}: where one {_per_call(ok)}'s time goes at the smallest "
-                                           f"batch ({parts_said}; bars: 95% CI of the median)", width=6.4,
+    fig, axes = _panels(plt, list(panels), f"{describe_run(doc)}: where one {_per_call(ok)}'s time goes at the "
+                                           f"smallest batch ({parts_said}; bars: 95% CI of the median)", width=6.4,
                         height=0.45 * max(len(v) for v in panels.values()) + 2.2)
     parts = ["guard check (host)", "issue on the host", "GPU after the last launch", "forward (host wall clock)",
              "H2D from pinned memory", "pageable extra over pinned"]

@@ -120,8 +120,8 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     if not doc["results"]:
         return "\n".join(lines + ["No cell was recorded: the run ended before its first cell did.", ""])
     lines += [f"- {line}" for line in fastest_lines(doc["results"])] + [""]
-    if contended_line(doc["results"]):
-        lines += [f"**{contended_line(doc['results'])}**", ""]
+    if busy := contended_line(doc["results"]):
+        lines += [f"**{busy}**", ""]
     lines += pivot_markdown(doc["results"])
     table = rows(doc["results"])
     lines += ["## Every cell", ""] + markdown_table(drop_empty_columns(table))
@@ -309,6 +309,6 @@ def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, c
     print_table(console, rich_table(records, wide=wide), wide)
     for line in failure_lines(records):
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
-    if contended_line(records):
-        console.print(contended_line(records), markup=False, style="yellow")
+    if busy := contended_line(records):
+        console.print(busy, markup=False, style="yellow")
     write(doc, json_path, md_path, csv_path)

@@ -89,8 +89,9 @@ class RunDir:
         finally:
             if target != self.results:
                 target.unlink(missing_ok=True)
-        free, held = shutil.disk_usage(self.path).free, dir_bytes(self.path)
-        if free + held < need_bytes:  # what the directory already holds (a resumed run's weights, caches) counts
+        free = shutil.disk_usage(self.path).free
+        # what the directory already holds (a resumed run's weights, caches) counts; walked only when short
+        if free < need_bytes and free + (held := dir_bytes(self.path)) < need_bytes:
             raise OSError(f"{self.path}: {free / 2**20:.0f} MiB free on its disk and {held / 2**20:.0f} MiB held "
                           f"in it; a run here needs about {need_bytes / 2**20:.0f} MiB (weights, references, caches)")
 
