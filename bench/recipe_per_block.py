@@ -31,7 +31,7 @@ import triton.language as tl  # noqa: E402
 from core.model import build_model, make_input  # noqa: E402
 from core.mutations import FORWARD, mutant_input  # noqa: E402
 from core.recipes import Folded, calibration_amax, calibration_input, strict_fp32  # noqa: E402
-from kernels.triton.resnet import TritonResNet, run_block  # noqa: E402
+from kernels.triton.resnet import TritonResNet  # noqa: E402
 from tiers.triton import _precision  # noqa: E402
 
 
@@ -68,19 +68,10 @@ def fp64_accumulation():
         F.conv2d = conv
 
 
-def recipe_blocks(recipe: Folded, model: torch.nn.Module, x: torch.Tensor,
-                  fed: list[torch.Tensor] | None = None) -> tuple[list[str], list[torch.Tensor]]:
-    """The recipe's stem output and each block's output (NCHW), each block fed `fed`'s entry before it (the right
-    network's outputs) or, without `fed`, the block before."""
-    layers = (model.layer1, model.layer2, model.layer3, model.layer4)
-    names = ["stem"] + [f"layer{i + 1}.{j}" for i, layer in enumerate(layers) for j in range(len(layer))]
-    blocks = [block for layer in layers for block in layer]
+def fed_stages(stages, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each stage (name, function) applied to its own input."""
     with torch.no_grad(), strict_fp32():
-        r = recipe.round(F.max_pool2d(F.relu(recipe.conv(recipe.round(x.float()), model.conv1, model.bn1)), 3, 2, 1))
-        outs = [r]
-        for i, (name, block) in enumerate(zip(names[1:], blocks)):
-            outs.append(recipe.block(fed[i] if fed else outs[-1], block, name))
-    return names, outs
+        return [stage(x) for (_, stage), x in zip(stages, inputs)]
 
 
 def mutant_blocks(args, model: torch.nn.Module, x: torch.Tensor, amax, outer: str) -> None:
@@ -88,19 +79,18 @@ def mutant_blocks(args, model: torch.nn.Module, x: torch.Tensor, amax, outer: st
     network's input, the calibration the right network's, as a kernel bug would leave it): where a per-block check
     would see it."""
     right = Folded(model, args.dtype, args.device, args.dtype != "fp8", amax, outer=outer)
-    names, want = recipe_blocks(right, model, x)
-    logits = right(x)
-    print("mutant                    logits    its worst block")
+    want = right.stage_outputs(x)
+    inputs = [out for _, out in want[:-1]]
+    print("mutant                    logits    its worst stage")
     for mutant in FORWARD:
         if mutant.kind == "structure":  # in the rung's code, not in anything the recipe reads
             continue
         wrong, fed = mutant.model(model), mutant_input(mutant, x)
         recipe = Folded(wrong, args.dtype, args.device, args.dtype != "fp8", amax, outer=outer)
-        _, outs = recipe_blocks(recipe, wrong, fed, want)
-        gaps = [distance(o, w) for o, w in zip(outs, want)]
-        worst = max(range(len(gaps)), key=gaps.__getitem__)
-        print(f"{mutant.name:25} {distance(recipe(fed), logits):.2e}  {names[worst]} {gaps[worst]:.2e}", flush=True)
-
+        outs = fed_stages(recipe.stages(), [fed] + inputs)
+        gaps = {name: distance(o, w) for o, (name, w) in zip(outs, want)}
+        worst = max(gaps, key=gaps.get)
+        print(f"{mutant.name:25} {distance(recipe(fed), want[-1][1]):.2e}  {worst} {gaps[worst]:.2e}", flush=True)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,19 +125,16 @@ def main() -> None:
                            fp8_amax=amax, pairs=args.pairs, chains=args.pairs)
         print(f"rung against recipe (logits): {distance(net(x.to(act)), logits):.2e}")
 
-        names, want = recipe_blocks(recipe, model, x)
+        want = recipe.stage_outputs(x)
+        inputs = [x] + [out for _, out in want[:-1]]
         with fp64_accumulation():
-            _, want64 = recipe_blocks(recipe, model, x, want)
-        h = net.stem_pool(x.permute(0, 2, 3, 1).contiguous().to(act), net.stem)
-        print(f"stem {distance(h.permute(0, 3, 1, 2), want[0]):.2e}")
-        print("block     kind  alone     recipe64  chained")
-        for i, packed in enumerate(net.blocks):
-            fed = want[i].permute(0, 2, 3, 1).contiguous().to(act)
-            alone, _ = run_block(fed, packed, net.conv, net.pair if net.paired(fed, packed) else None)
-            h, _ = run_block(h, packed, net.conv, net.pair if net.paired(h, packed) else None)
-            gaps = [distance(y, want[i + 1]) for y in (alone.permute(0, 3, 1, 2), want64[i + 1], h.permute(0, 3, 1, 2))]
-            print(f"{names[i + 1]:9} {'pair' if net.paired(fed, packed) else 'conv':5} "
-                  + "  ".join(f"{g:.2e}" for g in gaps), flush=True)
+            want64 = fed_stages(recipe.stages(), inputs)
+        alone = fed_stages(net.stages(act), inputs)
+        print("stage     alone     recipe64  chained")
+        h = x.to(act)
+        for (name, stage), (_, ref), ours, ref64 in zip(net.stages(act), want, alone, want64):
+            h = stage(h)
+            print(f"{name:9} " + "  ".join(f"{distance(y, ref):.2e}" for y in (ours, ref64, h)), flush=True)
 
 if __name__ == "__main__":
     main()

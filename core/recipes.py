@@ -146,14 +146,34 @@ class Folded:
             return self.forward(x.to(self.device).float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _, stage in self.stages():
+            x = stage(x)
+        return x
+
+    def stages(self) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        """The network as stages that a hand-written rung also runs one at a time: the stem (with its max-pool),
+        each block by module path, and the head (average pool and classifier); each maps the stage before's output
+        (NCHW, fp32 holding the stored values; the stem: the input) to its own."""
         m, r = self.model, self.round
-        x = r(x)
-        x = r(F.max_pool2d(F.relu(self.conv(x, m.conv1, m.bn1)), 3, 2, 1))
+        stages = [("stem", lambda x: r(F.max_pool2d(F.relu(self.conv(r(x), m.conv1, m.bn1)), 3, 2, 1)))]
         for layer in (m.layer1, m.layer2, m.layer3, m.layer4):
             for i, block in enumerate(layer):
-                x = self.block(x, block, f"{_layer_name(m, layer)}.{i}")
-        pooled = r(x.mean((2, 3)))
-        return r(self.conv(pooled[:, :, None, None], _as_conv(m.fc), None).flatten(1))
+                name = f"{_layer_name(m, layer)}.{i}"
+                stages.append((name, lambda x, block=block, name=name: self.block(x, block, name)))
+        head = _as_conv(m.fc)
+        stages.append(("head", lambda x: r(self.conv(r(x.mean((2, 3)))[:, :, None, None], head, None).flatten(1))))
+        return stages
+
+    @torch.no_grad()
+    def stage_outputs(self, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Each stage's output in turn, the recipe's own chain (stages)."""
+        outputs = []
+        with strict_fp32():
+            x = x.to(self.device).float()
+            for name, stage in self.stages():
+                x = stage(x)
+                outputs.append((name, x))
+        return outputs
 
     def block(self, x: torch.Tensor, block: torch.nn.Module, name: str) -> torch.Tensor:
         r = self.round
@@ -214,15 +234,21 @@ def recipe_output(recipe: str, model: torch.nn.Module, x: torch.Tensor, dtype: s
     left as it was."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown parity recipe {recipe!r}; valid: {', '.join(RECIPES)}")
-    model = copy.deepcopy(model).eval()
     if recipe == "eager":  # the eager rung's own build (tiers/eager.py): the module at the dtype and layout
         if dtype == "fp8":
             raise ValueError("eager has no fp8 recipe")
         set_math_mode(dtype)
         fmt = memory_format(channels_last)
-        module = model.to(x.device, torch_dtype(dtype)).to(memory_format=fmt)
+        module = copy.deepcopy(model).eval().to(x.device, torch_dtype(dtype)).to(memory_format=fmt)
         with torch.inference_mode():
             return module(x.to(torch_dtype(dtype)).contiguous(memory_format=fmt)).float()
+    return folded_recipe(recipe, model, x, dtype, outer)(x)
+
+
+def folded_recipe(recipe: str, model: torch.nn.Module, x: torch.Tensor, dtype: str, outer: str = "bf16") -> Folded:
+    """The `folded` or `folded-fused-shortcut` recipe of a copy of `model` at `dtype` on x's device (fp8: calibrated
+    as the rung calibrates, on the calibration input of x's size)."""
+    model = copy.deepcopy(model).eval()
     amax = (calibration_amax(copy.deepcopy(model).to(x.device),
                              calibration_input(x.shape[0], x.shape[-1]).to(x.device)) if dtype == "fp8" else None)
-    return folded(model, x, dtype, recipe == "folded-fused-shortcut", amax, outer)
+    return Folded(model, dtype, x.device, recipe == "folded-fused-shortcut", amax, outer)

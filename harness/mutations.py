@@ -23,9 +23,9 @@ from core.env import device_slug, environment
 from core.files import write_text_atomic
 from core.model import build_model, make_input, num_classes, training_start
 from core.mutations import FORWARD, RIGHT, TRAINING, Mutant, check_names, mutant_input, shift_window
-from core.parity import verdict
+from core.parity import against_stages, verdict
 from core.placement import memory_format, set_math_mode, torch_dtype
-from core.recipes import recipe_output
+from core.recipes import folded_recipe, recipe_output
 from harness.context import shipped_tunings
 from harness.record import recipe_references
 from harness.tables import markdown_table
@@ -73,9 +73,15 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                     for k, (name, at, layout) in recipe_references(cell).items()}
             eager = refs["eager"][1] if "eager" in refs else None
             recipe_ref = refs.get("recipe")
+            recipe_name, at, _ = recipe_references(cell).get("recipe", (None, None, None))
+            stage_refs = (folded_recipe(recipe_name, model, x, at).stage_outputs(x)
+                          if recipe_name not in (None, "eager") else None)
             for mutant in mutants:
-                out = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
+                out, net = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
                 parity = verdict(out, ref, dtype, other, eager, recipe_ref)
+                if stage_refs is not None and hasattr(net, "stages"):
+                    parity = against_stages(parity, rung_stages(net, mutant_input(mutant, x), stage_refs, dtype),
+                                            stage_refs, dtype)
                 band = verdict(out, ref, dtype, other)  # the checks against fp32 alone, as before recipes
                 recipe_figures = parity.get("recipe") or {}
                 row = {"task": "infer", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
@@ -83,6 +89,9 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                        "recipe_rel_err": recipe_figures.get("norm_rel_err"),
                        "recipe_max_rel_err": recipe_figures.get("rel_err"),
                        "ratio_to_eager": parity.get("ratio_to_eager"), "reason": parity.get("reason"),
+                       "stage_rel_err": (parity.get("stages") or {}).get("norm_rel_err"),
+                       "worst_stage": (parity.get("stages") or {}).get("worst"),
+                       "stage_judged": (parity.get("stages") or {}).get("ok") is not None,
                        "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
                 rows.append(row)
                 on_row(row)
@@ -105,9 +114,10 @@ def runs(tier, cell: Cell) -> bool:
     return tier.supports(cell) is None
 
 
-def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store: Store) -> torch.Tensor:
-    """The rung's logits for the mutant: built on its (wrong) weights and fed its (wrong) input, or, for a
-    structural mutant of a rung other than eager, built on the right weights with its launches changed."""
+def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store: Store) -> tuple[torch.Tensor, Any]:
+    """The rung's logits for the mutant and the network that computed them: built on its (wrong) weights and fed
+    its (wrong) input, or, for a structural mutant of a rung other than eager, built on the right weights with its
+    launches changed."""
     set_math_mode(cell.dtype)
     structural = mutant.kind == "structure" and tier.name != "eager"
     if structural:
@@ -120,7 +130,17 @@ def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store
     if structural:
         _break_launches(built.forward, mutant)
     with torch.inference_mode():
-        return built.forward(example).float()
+        return built.forward(example).float(), built.forward
+
+
+def rung_stages(net: Any, x: torch.Tensor, stage_refs: list[tuple[str, torch.Tensor]],
+                dtype: str) -> list[tuple[str, torch.Tensor]]:
+    """Each stage of the rung's network (`net.stages`: the hand-written rungs') fed the recipe's input for it: the
+    stem `x`, every later stage the recipe's output of the stage before."""
+    inputs = [x] + [out for _, out in stage_refs[:-1]]
+    with torch.inference_mode():
+        return [(name, stage(inp.to(x.device)).float()) for (name, stage), inp in
+                zip(net.stages(torch_dtype(dtype)), inputs)]
 
 
 def _break_launches(net: Any, mutant: Mutant) -> None:
@@ -183,7 +203,9 @@ def run(config: MutationConfig, out_dir: Path | None) -> list[dict]:
         verdict_ = "pass" if row["ok"] else "FAIL"
         print(f"{row['task']:5} {row['rung']:7} {row['dtype']:5} {row['mutant']:26} {verdict_}  "
               f"rel err {row['rel_err']:.2e}" + (f"  recipe {row['recipe_rel_err']:.2e} (max {row['recipe_max_rel_err']:.2e})"
-                                                  if row.get("recipe_rel_err") is not None else ""), flush=True)
+                                                  if row.get("recipe_rel_err") is not None else "")
+              + (f"  stage {row['worst_stage']} {row['stage_rel_err']:.2e}" if row.get("worst_stage") else ""),
+              flush=True)
 
     rows = forward_rows(config, show) + training_rows(config, show)
     if out_dir:
@@ -205,7 +227,8 @@ def markdown(rows: list[dict], config: MutationConfig) -> str:
              f"(training: batch {config.train_batch}, res {config.train_res})\n",
              f"Every mutant must fail and `none` pass: **{'all as they must' if caught(rows) else 'NOT ALL CAUGHT'}**."
              " A cell: `fail`/`pass`, then the error that decided it (forward: ||out - recipe|| / ||recipe|| against "
-             "the rung's recipe at the dtype where it has one, else max|out - ref| / max|ref| against eager fp32; "
+             "the rung's recipe at the dtype where it has one, of the worst stage where the stages are judged (fp8: "
+             "each block fed the recipe's input), else max|out - ref| / max|ref| against eager fp32; "
              "training: the worst parameter tensor's gain).\n"]
     for task in ("infer", "train"):
         mine = [r for r in rows if r["task"] == task]
@@ -215,6 +238,7 @@ def markdown(rows: list[dict], config: MutationConfig) -> str:
             line = {"mutant": name}
             for r in (r for r in mine if r["mutant"] == name):
                 figure = (f"gain {r['worst_group_gain']:.2f}" if task == "train" else
+                          f"{r['worst_stage']} {r['stage_rel_err']:.1e}" if r.get("stage_judged") else
                           f"{r['recipe_rel_err'] if r.get('recipe_rel_err') is not None else r['rel_err']:.1e}")
                 line[f"{r['rung']} {r['dtype']}"] = f"{'pass' if r['ok'] else 'fail'} {figure}"
             table.append(line)

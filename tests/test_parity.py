@@ -1,6 +1,7 @@
 """The parity checks can fail: the mutation suite (core/mutations.py) run through the rungs and the ladder's own
 checks on the CPU, the recipes they compare with (core/recipes.py), and the training check per parameter tensor.
 If a check is loosened back to a band that rounding hides wrong networks in, these fail (docs/notes/parity.md)."""
+import copy
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton rung on the CPU: its kernels under the interpreter
@@ -10,7 +11,7 @@ import torch  # noqa: E402
 
 from core.model import build_model, make_input  # noqa: E402
 from core.parity import RECIPE_TOLERANCES, TOLERANCES, verdict  # noqa: E402
-from core.recipes import folded, recipe_output, round_tf32  # noqa: E402
+from core.recipes import folded, folded_recipe, recipe_output, round_tf32  # noqa: E402
 from harness.mutations import MutationConfig, caught, forward_rows, training_rows  # noqa: E402
 
 
@@ -49,6 +50,51 @@ def test_triton_tf32_computes_its_recipe():
         wrong = TritonResNet(model, torch.float32, "cpu", "tf32", tune=False)(x)
     assert verdict(right, ref, "tf32", recipe=recipe)["ok"]
     assert not verdict(wrong, ref, "tf32", recipe=recipe)["ok"]
+
+
+@pytest.mark.quick
+def test_the_stage_check_judges_its_worst_stage_where_the_dtype_has_a_tolerance():
+    """fp8 (whose logits cannot be judged) is held to its worst stage; a dtype without a stage tolerance records
+    the figures and leaves the verdict to its other checks; stages that are not the recipe's are refused."""
+    from core.parity import STAGE_TOLERANCES, against_stages
+
+    ref = [("stem", torch.ones(4)), ("layer1.0", torch.ones(4)), ("head", torch.ones(4))]
+    off = [("stem", torch.ones(4)), ("layer1.0", torch.full((4,), 1 + 2 * STAGE_TOLERANCES["fp8"])),
+           ("head", torch.ones(4))]
+    wrong = against_stages({"ok": True, "reason": None}, off, ref, "fp8")
+    assert not wrong["ok"] and wrong["stages"]["worst"] == "layer1.0" and "stage layer1.0" in wrong["reason"]
+    assert against_stages({"ok": True, "reason": None}, ref, ref, "fp8")["ok"]
+    recorded = against_stages({"ok": True, "reason": None}, off, ref, "bf16")
+    assert recorded["ok"] and recorded["stages"]["ok"] is None and recorded["stages"]["norm_rel_err"] > 0
+    with pytest.raises(ValueError, match="not the recipe's"):
+        against_stages({"ok": True, "reason": None}, off[:2], ref, "fp8")
+
+
+def test_each_stage_of_the_triton_rung_is_its_recipes_and_a_wrong_one_shows_in_its_own_stage():
+    """The triton rung's stages (kernels/triton/resnet.py `stages`) under the interpreter, each fed the recipe's
+    input for it, against the recipe's stages at tf32: the right network within 1e-3 at every stage; a batch-norm
+    scale 10% off shows in its own block and the classifier's bias dropped in the head, each beyond fp8's stage
+    tolerance."""
+    from core.parity import against_stages
+    from harness.mutations import rung_stages
+    from kernels.triton.resnet import TritonResNet
+
+    model = build_model("resnet18")
+    x = make_input(1, 32)
+    refs = folded_recipe("folded-fused-shortcut", model, x, "tf32").stage_outputs(x)
+
+    def stages(m):
+        net = TritonResNet(m, torch.float32, "cpu", "tf32", tune=False)
+        return against_stages({"ok": True, "reason": None}, rung_stages(net, x, refs, "tf32"), refs, "fp8")["stages"]
+
+    right = stages(model)
+    assert list(right["each"]) == [name for name, _ in refs] and right["ok"] and right["norm_rel_err"] < 1e-3, right
+    for bug, stage in ((lambda m: m.layer1[0].bn1.weight.mul_(1.1), "layer1.0"), (lambda m: m.fc.bias.zero_(), "head")):
+        wrong = copy.deepcopy(model)
+        with torch.no_grad():
+            bug(wrong)
+        figures = stages(wrong)
+        assert figures["worst"] == stage and not figures["ok"], (stage, figures)
 
 
 def test_every_wrong_network_fails_and_the_right_one_passes_on_the_cpu():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import re
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -139,6 +139,26 @@ class TritonResNet:
             x, ahead = run_block(x, packed, self.conv, self.pair if paired else None, ahead, chain)
         pooled = self.avg_pool(x)
         return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
+
+    def stages(self, dtype: torch.dtype) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        """The network as the parity recipe's stages (core/recipes.py `Folded.stages`): the stem, each block alone
+        (its pair where forward would run one, never chained) and the head, each on an NCHW input converted to
+        `dtype` (the activations' type), returning NCHW: so each can be fed the recipe's own input and judged
+        alone, before the network amplifies a small difference."""
+        def nhwc(x):
+            return x.permute(0, 2, 3, 1).contiguous().to(dtype)
+
+        def block(x, packed):
+            x = nhwc(x)
+            return run_block(x, packed, self.conv, self.pair if self.paired(x, packed) else None)[0].permute(0, 3, 1, 2)
+
+        def head(x):
+            pooled = self.avg_pool(nhwc(x))
+            return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
+
+        blocks = [(self.paths[id(convs[0])].rsplit(".", 1)[0], partial(block, packed=(convs, down)))
+                  for convs, down in self.blocks]
+        return [("stem", lambda x: self.stem_pool(nhwc(x), self.stem).permute(0, 3, 1, 2)), *blocks, ("head", head)]
 
     def paired(self, x: torch.Tensor, packed) -> bool:
         """Whether the block `packed` runs its conv2 and conv3 as one kernel on its input `x`."""
