@@ -179,8 +179,10 @@ def test_ctrl_c_while_starting_is_one_line():
     import signal
     import time
 
+    # as from a terminal: a runner started in the background (nohup, `&`) hands its children SIGINT ignored
     proc = subprocess.Popen([sys.executable, "-m", "harness", "tiers"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(0.8)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
