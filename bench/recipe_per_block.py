@@ -30,6 +30,7 @@ import triton.language as tl  # noqa: E402
 
 from core.model import build_model, make_input  # noqa: E402
 from core.mutations import FORWARD, mutant_input  # noqa: E402
+from core.parity import norm_rel_err  # noqa: E402
 from core.recipes import Folded, calibration_amax, calibration_input, strict_fp32  # noqa: E402
 from kernels.triton.resnet import TritonResNet  # noqa: E402
 from tiers.triton import _precision  # noqa: E402
@@ -47,10 +48,6 @@ def e4m3_mismatch(device: str, n: int = 1 << 14) -> float:
     y = torch.empty_like(x, dtype=torch.float8_e4m3fn)
     _to_e4m3[(1,)](x, y, n)
     return (y.float() != x.to(torch.float8_e4m3fn).float()).float().mean().item()
-
-
-def distance(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @contextlib.contextmanager
@@ -88,9 +85,9 @@ def mutant_blocks(args, model: torch.nn.Module, x: torch.Tensor, amax, outer: st
         wrong, fed = mutant.model(model), mutant_input(mutant, x)
         recipe = Folded(wrong, args.dtype, args.device, args.dtype != "fp8", amax, outer=outer)
         outs = fed_stages(recipe.stages(), [fed] + inputs)
-        gaps = {name: distance(o, w) for o, (name, w) in zip(outs, want)}
+        gaps = {name: norm_rel_err(o, w) for o, (name, w) in zip(outs, want)}
         worst = max(gaps, key=gaps.get)
-        print(f"{mutant.name:25} {distance(recipe(fed), want[-1][1]):.2e}  {worst} {gaps[worst]:.2e}", flush=True)
+        print(f"{mutant.name:25} {norm_rel_err(recipe(fed), want[-1][1]):.2e}  {worst} {gaps[worst]:.2e}", flush=True)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -120,10 +117,10 @@ def main() -> None:
     with torch.no_grad():
         logits = recipe(x)
         with fp64_accumulation():
-            print(f"recipe, fp32 against fp64 accumulation (logits): {distance(logits, recipe(x)):.2e}")
+            print(f"recipe, fp32 against fp64 accumulation (logits): {norm_rel_err(logits, recipe(x)):.2e}")
         net = TritonResNet(model, act, args.device, _precision(args.dtype), tune=False,
                            fp8_amax=amax, pairs=args.pairs, chains=args.pairs)
-        print(f"rung against recipe (logits): {distance(net(x.to(act)), logits):.2e}")
+        print(f"rung against recipe (logits): {norm_rel_err(net(x.to(act)), logits):.2e}")
 
         want = recipe.stage_outputs(x)
         inputs = [x] + [out for _, out in want[:-1]]
@@ -134,7 +131,7 @@ def main() -> None:
         h = x.to(act)
         for (name, stage), (_, ref), ours, ref64 in zip(net.stages(act), want, alone, want64):
             h = stage(h)
-            print(f"{name:9} " + "  ".join(f"{distance(y, ref):.2e}" for y in (ours, ref64, h)), flush=True)
+            print(f"{name:9} " + "  ".join(f"{norm_rel_err(y, ref):.2e}" for y in (ours, ref64, h)), flush=True)
 
 if __name__ == "__main__":
     main()

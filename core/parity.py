@@ -85,7 +85,7 @@ def against_stages(parity: dict, outs: list[tuple[str, torch.Tensor]], refs: lis
     against the recipe's (`refs`, the same names in order), the worst stage within STAGE_TOLERANCES."""
     if [name for name, _ in outs] != [name for name, _ in refs]:
         raise ValueError(f"the rung's stages {[n for n, _ in outs]} are not the recipe's {[n for n, _ in refs]}")
-    each = {name: _distance(out, ref)["norm_rel_err"] for (name, out), (_, ref) in zip(outs, refs)}
+    each = {name: norm_rel_err(out, ref) for (name, out), (_, ref) in zip(outs, refs)}
     worst = max(each, key=each.get)
     tol = STAGE_TOLERANCES.get(dtype)
     ok = None if tol is None else each[worst] <= tol
@@ -102,6 +102,11 @@ def ratio_to_eager(parity: dict, eager_out: torch.Tensor, ref: torch.Tensor) -> 
         return parity
     eager = _distance(eager_out, ref)["rel_err"]
     return {**parity, "eager_rel_err": eager, "ratio_to_eager": parity["rel_err"] / eager if eager > 0 else None}
+
+
+def norm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, as the recipe and stage checks judge."""
+    return _distance(out, ref)["norm_rel_err"]
 
 
 def _distance(out: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -69,13 +69,15 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
             if not runs(tier, cell):
                 continue
             # the references the ladder's prepare stage makes for this cell (harness/record.py)
-            refs = {k: (name, recipe_output(name, model, x, at, layout != "nchw"))
-                    for k, (name, at, layout) in recipe_references(cell).items()}
+            refs, stage_refs = {}, None
+            for k, (name, at, layout) in recipe_references(cell).items():
+                if name == "eager":
+                    refs[k] = (name, recipe_output(name, model, x, at, layout != "nchw"))
+                else:  # a folded recipe: its stages too, the last of them its logits
+                    stage_refs = folded_recipe(name, model, x, at).stage_outputs(x)
+                    refs[k] = (name, stage_refs[-1][1])
             eager = refs["eager"][1] if "eager" in refs else None
             recipe_ref = refs.get("recipe")
-            recipe_name, at, _ = recipe_references(cell).get("recipe", (None, None, None))
-            stage_refs = (folded_recipe(recipe_name, model, x, at).stage_outputs(x)
-                          if recipe_name not in (None, "eager") else None)
             for mutant in mutants:
                 out, net = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
                 parity = verdict(out, ref, dtype, other, eager, recipe_ref)
@@ -83,15 +85,14 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                     parity = against_stages(parity, rung_stages(net, mutant_input(mutant, x), stage_refs, dtype),
                                             stage_refs, dtype)
                 band = verdict(out, ref, dtype, other)  # the checks against fp32 alone, as before recipes
-                recipe_figures = parity.get("recipe") or {}
+                recipe_figures, stages = parity.get("recipe") or {}, parity.get("stages") or {}
                 row = {"task": "infer", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
                        "band_ok": band["ok"], "rel_err": parity.get("rel_err"),
                        "recipe_rel_err": recipe_figures.get("norm_rel_err"),
                        "recipe_max_rel_err": recipe_figures.get("rel_err"),
                        "ratio_to_eager": parity.get("ratio_to_eager"), "reason": parity.get("reason"),
-                       "stage_rel_err": (parity.get("stages") or {}).get("norm_rel_err"),
-                       "worst_stage": (parity.get("stages") or {}).get("worst"),
-                       "stage_judged": (parity.get("stages") or {}).get("ok") is not None,
+                       "stage_rel_err": stages.get("norm_rel_err"), "worst_stage": stages.get("worst"),
+                       "stage_judged": stages.get("ok") is not None,
                        "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
                 rows.append(row)
                 on_row(row)
@@ -139,7 +140,7 @@ def rung_stages(net: Any, x: torch.Tensor, stage_refs: list[tuple[str, torch.Ten
     stem `x`, every later stage the recipe's output of the stage before."""
     inputs = [x] + [out for _, out in stage_refs[:-1]]
     with torch.inference_mode():
-        return [(name, stage(inp.to(x.device)).float()) for (name, stage), inp in
+        return [(name, stage(inp).float()) for (name, stage), inp in
                 zip(net.stages(torch_dtype(dtype)), inputs)]
 
 

@@ -137,6 +137,10 @@ class TritonResNet:
             following = self.blocks[i + 1][0][0] if i + 1 < len(self.blocks) else None
             chain = following if paired and self.chained(packed[0][-1], following) else None
             x, ahead = run_block(x, packed, self.conv, self.pair if paired else None, ahead, chain)
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The average pool and the classifier on the last block's NHWC output: the logits."""
         pooled = self.avg_pool(x)
         return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
 
@@ -152,13 +156,10 @@ class TritonResNet:
             x = nhwc(x)
             return run_block(x, packed, self.conv, self.pair if self.paired(x, packed) else None)[0].permute(0, 3, 1, 2)
 
-        def head(x):
-            pooled = self.avg_pool(nhwc(x))
-            return self.conv(pooled[:, None, None, :], self.fc, relu=False).view(pooled.shape[0], -1)
-
         blocks = [(self.paths[id(convs[0])].rsplit(".", 1)[0], partial(block, packed=(convs, down)))
                   for convs, down in self.blocks]
-        return [("stem", lambda x: self.stem_pool(nhwc(x), self.stem).permute(0, 3, 1, 2)), *blocks, ("head", head)]
+        return [("stem", lambda x: self.stem_pool(nhwc(x), self.stem).permute(0, 3, 1, 2)), *blocks,
+                ("head", lambda x: self.head(nhwc(x)))]
 
     def paired(self, x: torch.Tensor, packed) -> bool:
         """Whether the block `packed` runs its conv2 and conv3 as one kernel on its input `x`."""
