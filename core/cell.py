@@ -113,3 +113,6 @@ class Built:
     profiled: Callable[[], tuple[Callable[[Any], Any], Callable[[], list[dict]]]] | None = None
     # Training only: the model's parameters and buffers by name (fp32, on the CPU), read after the parity steps.
     state: Callable[[], dict[str, Any]] | None = None
+    # Where the rung runs the network as its parity recipe's stages (core/recipes.py `Folded.stages`): those stages
+    # as (name, function of the NCHW input the recipe gives it), for the stage check (core/parity.py).
+    stages: Callable[[], list[tuple[str, Callable[[Any], Any]]]] | None = None

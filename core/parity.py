@@ -1,6 +1,8 @@
 """Does a rung compute the same function as the eager fp32 reference? Checked on every cell."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # Per dtype: largest allowed max|out - ref| / max|ref|, and smallest allowed cosine similarity.
@@ -35,6 +37,10 @@ RECIPE_TOLERANCES = {"fp32": 1e-4, "tf32": 3e-3, "fp16": 3e-3, "bf16": 1.1e-2, "
 # moves its own block by 2.8e-2 or more (H200, batch 32, 224 px; results/nvidia-h200/checks/fp8-per-block/). Other
 # dtypes: recorded, not judged (their logits are).
 STAGE_TOLERANCES = {"fp8": 1.2e-2}
+# The ladder's stage check runs on the parity input's first images: an image's stages do not depend on the others
+# (inference, batch-norm folded), and the recipe's stages of 8 images at 224 px are about 90 MB in bf16, of a whole
+# batch of 256 about 2.9 GB.
+STAGE_IMAGES = 8
 
 
 # Dtypes whose rounding can come near the distance between two inputs' outputs: with the run's weights at 224 px,
@@ -79,13 +85,9 @@ def against_recipe(parity: dict, out: torch.Tensor, recipe_ref: torch.Tensor, re
             "recipe": {"name": recipe, **figures, "tolerance": tol, "ok": ok}}
 
 
-def against_stages(parity: dict, outs: list[tuple[str, torch.Tensor]], refs: list[tuple[str, torch.Tensor]],
-                   dtype: str) -> dict:
-    """`parity` with the stage check: each stage's output (`outs`, the rung's stage fed the recipe's input for it)
-    against the recipe's (`refs`, the same names in order), the worst stage within STAGE_TOLERANCES."""
-    if [name for name, _ in outs] != [name for name, _ in refs]:
-        raise ValueError(f"the rung's stages {[n for n, _ in outs]} are not the recipe's {[n for n, _ in refs]}")
-    each = {name: norm_rel_err(out, ref) for (name, out), (_, ref) in zip(outs, refs)}
+def against_stages(parity: dict, each: dict[str, float], dtype: str) -> dict:
+    """`parity` with the stage check: `each` stage's ||out - recipe|| / ||recipe|| (stage_errors), the worst within
+    STAGE_TOLERANCES."""
     worst = max(each, key=each.get)
     tol = STAGE_TOLERANCES.get(dtype)
     ok = None if tol is None else each[worst] <= tol
@@ -94,6 +96,43 @@ def against_stages(parity: dict, outs: list[tuple[str, torch.Tensor]], refs: lis
         failures.append(f"stage {worst} {each[worst]:.2e} from its recipe's (norm) > {tol:.1e}")
     return {**parity, "ok": parity["ok"] and ok is not False, "reason": "; ".join(failures) or None,
             "stages": {"worst": worst, "norm_rel_err": each[worst], "tolerance": tol, "ok": ok, "each": each}}
+
+
+def judges_stages(recipe: str, dtype: str) -> bool:
+    """Whether a cell held to `recipe` at `dtype` is held to the stage check too: a dtype with a stage tolerance,
+    against a folded recipe (eager's own build has no stages)."""
+    return recipe != "eager" and dtype in STAGE_TOLERANCES
+
+
+def run_stages(stages: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]], x: torch.Tensor,
+               refs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each of a rung's `stages` fed the recipe's input for it: the stem `x`, every later stage the recipe's output
+    of the stage before (`refs`, moved to x's device)."""
+    inputs = [x] + [out.to(x.device) for _, out in refs[:-1]]
+    with torch.inference_mode():
+        return [(name, stage(inp)) for (name, stage), inp in zip(stages, inputs)]
+
+
+def stage_errors(outs: list[tuple[str, torch.Tensor]], refs: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Each stage's ||out - ref|| / ||ref||: the rung's stages (`outs`, run_stages) against the recipe's (`refs`,
+    the same names in order)."""
+    if [name for name, _ in outs] != [name for name, _ in refs]:
+        raise ValueError(f"the rung's stages {[n for n, _ in outs]} are not the recipe's {[n for n, _ in refs]}")
+    return {name: norm_rel_err(out.float(), ref.to(out.device).float()) for (name, out), (_, ref) in zip(outs, refs)}
+
+
+def pack_stages(refs: list[tuple[str, torch.Tensor]], images: int = STAGE_IMAGES) -> dict[str, torch.Tensor]:
+    """The recipe's stage outputs of the first `images` images as safetensors entries (unpack_stages reads them),
+    in bf16 where that holds them exactly (the fp8 recipe stores its block outputs in bf16), else fp32."""
+    def compact(t: torch.Tensor) -> torch.Tensor:
+        t = t[:images].float().cpu().contiguous()
+        return t.bfloat16() if torch.equal(t.bfloat16().float(), t) else t
+    return {f"stage.{i:02d}.{name}": compact(out) for i, (name, out) in enumerate(refs)}
+
+
+def unpack_stages(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """pack_stages's entries back into the stages in order (other entries of the file are left out)."""
+    return [(key.split(".", 2)[2], tensors[key]) for key in sorted(k for k in tensors if k.startswith("stage."))]
 
 
 def ratio_to_eager(parity: dict, eager_out: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -158,10 +197,12 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> dict:
 
 
 def verdict(out: torch.Tensor, ref: torch.Tensor, dtype: str, other: torch.Tensor | None = None,
-            eager: torch.Tensor | None = None, recipe: tuple[str, torch.Tensor] | None = None) -> dict:
+            eager: torch.Tensor | None = None, recipe: tuple[str, torch.Tensor] | None = None,
+            stages: dict[str, float] | None = None) -> dict:
     """Every forward check of a cell, as the ladder applies them: the band against eager fp32 (`ref`), nearer
     `ref` than another input's output (`other`) where the dtype asks it, the error as a ratio to `eager`'s at the
-    same dtype, and within RECIPE_TOLERANCES of the rung's `recipe` (name, output at the dtype)."""
+    same dtype, within RECIPE_TOLERANCES of the rung's `recipe` (name, output at the dtype), and each of its
+    `stages` (stage_errors) within STAGE_TOLERANCES: a cell that judges_stages and gives none fails."""
     parity = compare(out, ref, dtype)
     if dtype in NEARER_THAN_ANOTHER_INPUT and other is not None:
         parity = against_another_input(parity, other, ref, dtype)
@@ -169,4 +210,9 @@ def verdict(out: torch.Tensor, ref: torch.Tensor, dtype: str, other: torch.Tenso
         parity = ratio_to_eager(parity, eager, ref)
     if recipe is not None:
         parity = against_recipe(parity, out, recipe[1], recipe[0], dtype)
+    if stages:
+        parity = against_stages(parity, stages, dtype)
+    elif recipe is not None and judges_stages(recipe[0], dtype):
+        reason = "; ".join(filter(None, (parity.get("reason"), "the rung ran no stage check (its build gives no stages)")))
+        parity = {**parity, "ok": False, "reason": reason}
     return parity

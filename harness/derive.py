@@ -96,6 +96,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
                        f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
             "err/eager": fmt(par.get("ratio_to_eager"), ".2f"),
             "recipe err": fmt((par.get("recipe") or {}).get("norm_rel_err"), ".1e"),
+            "stage err": (f"{fmt(par['stages']['norm_rel_err'], '.1e')} {par['stages']['worst']}"
+                          if par.get("stages") else ""),
         })
     return out
 

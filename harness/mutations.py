@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 
 from core import train
-from core.cell import DTYPES, Cell, Store
+from core.cell import DTYPES, Built, Cell, Store
 from core.env import device_slug, environment
 from core.files import write_text_atomic
 from core.model import build_model, make_input, num_classes, training_start
 from core.mutations import FORWARD, RIGHT, TRAINING, Mutant, check_names, mutant_input, shift_window
-from core.parity import against_stages, verdict
+from core.parity import run_stages, stage_errors, verdict
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.recipes import folded_recipe, recipe_output
 from harness.context import shipped_tunings
@@ -79,11 +79,12 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
             eager = refs["eager"][1] if "eager" in refs else None
             recipe_ref = refs.get("recipe")
             for mutant in mutants:
-                out, net = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
-                parity = verdict(out, ref, dtype, other, eager, recipe_ref)
-                if stage_refs is not None and hasattr(net, "stages"):
-                    parity = against_stages(parity, rung_stages(net, mutant_input(mutant, x), stage_refs, dtype),
-                                            stage_refs, dtype)
+                out, built = _rung_output(tier, cell, mutant, model, x, Store(tunings=shipped_tunings(gpu, rung)))
+                stages = None
+                if stage_refs is not None and built.stages:
+                    stages = stage_errors(run_stages(built.stages(), mutant_input(mutant, x).to(config.device),
+                                                     stage_refs), stage_refs)
+                parity = verdict(out, ref, dtype, other, eager, recipe_ref, stages)
                 band = verdict(out, ref, dtype, other)  # the checks against fp32 alone, as before recipes
                 recipe_figures, stages = parity.get("recipe") or {}, parity.get("stages") or {}
                 row = {"task": "infer", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
@@ -115,8 +116,8 @@ def runs(tier, cell: Cell) -> bool:
     return tier.supports(cell) is None
 
 
-def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store: Store) -> tuple[torch.Tensor, Any]:
-    """The rung's logits for the mutant and the network that computed them: built on its (wrong) weights and fed
+def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store: Store) -> tuple[torch.Tensor, Built]:
+    """The rung's logits for the mutant and its build that computed them: built on its (wrong) weights and fed
     its (wrong) input, or, for a structural mutant of a rung other than eager, built on the right weights with its
     launches changed."""
     set_math_mode(cell.dtype)
@@ -131,17 +132,7 @@ def _rung_output(tier, cell: Cell, mutant: Mutant, model, x: torch.Tensor, store
     if structural:
         _break_launches(built.forward, mutant)
     with torch.inference_mode():
-        return built.forward(example).float(), built.forward
-
-
-def rung_stages(net: Any, x: torch.Tensor, stage_refs: list[tuple[str, torch.Tensor]],
-                dtype: str) -> list[tuple[str, torch.Tensor]]:
-    """Each stage of the rung's network (`net.stages`: the hand-written rungs') fed the recipe's input for it: the
-    stem `x`, every later stage the recipe's output of the stage before."""
-    inputs = [x] + [out for _, out in stage_refs[:-1]]
-    with torch.inference_mode():
-        return [(name, stage(inp).float()) for (name, stage), inp in
-                zip(net.stages(torch_dtype(dtype)), inputs)]
+        return built.forward(example).float(), built
 
 
 def _break_launches(net: Any, mutant: Mutant) -> None:

@@ -2,6 +2,7 @@
 (DEFINITIONS, shipped inside every JSON document so it reads on its own). The report renders records; it makes none."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
@@ -12,7 +13,7 @@ from core.cell import Cell
 from core.env import source_revision, utc_now
 from core.flops import flops_per_group, flops_per_image
 from core.layers import convolutions, elements_per_group
-from core.parity import NEARER_THAN_ANOTHER_INPUT, verdict
+from core.parity import NEARER_THAN_ANOTHER_INPUT, judges_stages, verdict
 from core.placement import torch_dtype
 from core.stats import summarize
 from harness import census
@@ -197,10 +198,19 @@ def recipe_references(cell: Cell) -> dict[str, tuple[str, str, str]]:
     return refs
 
 
-def check_parity(ctx: Context, cell: Cell) -> dict:
+def stage_reference(ctx: Context, cell: Cell) -> Path | None:
+    """The file of the recipe's stages that the cell's child runs the rung's stages against, where its parity
+    judges stages (core/parity.py judges_stages)."""
+    recipe = recipe_references(cell).get("recipe")
+    if recipe is None or not judges_stages(recipe[0], cell.dtype):
+        return None
+    return ctx.run.reference(cell.batch, cell.res, recipe=recipe)
+
+
+def check_parity(ctx: Context, cell: Cell, stages: dict[str, float] | None = None) -> dict:
     """The cell's output against the eager fp32 reference: one forward's logits, or a training cell's losses and
     state after the parity steps. Below fp32, also against the rung's recipe at its dtype, and as a ratio to
-    eager's error at that dtype (recipe_references)."""
+    eager's error at that dtype (recipe_references); where it judges stages, the child's `stages` errors too."""
     ref = ctx.run.reference(cell.batch, cell.res, cell.task)
     out = cell_dir(ctx.run, cell) / "output.safetensors"
     if cell.task == "train":
@@ -213,14 +223,14 @@ def check_parity(ctx: Context, cell: Cell) -> dict:
     refs = {k: model_io.read_tensor(ctx.run.reference(cell.batch, cell.res, recipe=key), "output")
             for k, key in keys.items()}
     return verdict(out, ref, cell.dtype, other, refs.get("eager"),
-                   (keys["recipe"][0], refs["recipe"]) if "recipe" in refs else None)
+                   (keys["recipe"][0], refs["recipe"]) if "recipe" in refs else None, stages)
 
 
 def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: float) -> dict:
     """A cell whose child wrote its result: parity, the cold part, memory and utilisation; then, unless parity
     failed or the cell was contended under --isolation-check error, its timings."""
     record["wall_s"] = wall_s
-    record["parity"] = parity = check_parity(ctx, cell)
+    record["parity"] = parity = check_parity(ctx, cell, raw.get("stage_errors"))
     record["cold"] = {**raw["cold"], "time_to_first_result_s": sum(raw["cold"].values())}
     record["build_stats"] = raw["build_stats"]
     record["interpreted"] = bool(raw["build_stats"].get("interpreted"))

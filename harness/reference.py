@@ -2,7 +2,8 @@
 
 - `ref`:  the eager fp32 reference (TF32 off) that every rung is compared against: the output of one forward, or
           for `train` the loss of each parity step and the state after them (core/train.py);
-- `recipe`: a rung's recipe at its dtype (core/recipes.py), which cells below fp32 are also held to;
+- `recipe`: a rung's recipe at its dtype (core/recipes.py), which cells below fp32 are also held to (and, where
+            the cell judges_stages, its stages on the first images: core/parity.py);
 - `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak', and its
           measured memory bandwidth (a device-to-device copy), the other side of a layer's roofline."""
 from __future__ import annotations
@@ -20,7 +21,8 @@ from core.cell import Cell, Store
 from core.files import write_text_atomic
 from core.model import load_model, read_tensor
 from core.placement import set_math_mode, torch_dtype
-from core.recipes import recipe_output
+from core.parity import judges_stages, pack_stages
+from core.recipes import folded_recipe, recipe_output
 from tiers import get_tier
 
 
@@ -43,6 +45,10 @@ def recipe(model_name: str, weights: str, input_path: str, output: str, device: 
            layout: str) -> None:
     model = load_model(model_name, weights).to(device)
     x = read_tensor(input_path, "input").to(device)
+    if judges_stages(name, dtype):  # its stages too, the last of them its logits (core/parity.py STAGE_IMAGES)
+        stages = folded_recipe(name, model, x, dtype).stage_outputs(x)
+        save_file({"output": stages[-1][1].float().cpu().contiguous(), **pack_stages(stages)}, output)
+        return
     out = recipe_output(name, model, x, dtype, layout == "nhwc")
     save_file({"output": out.float().cpu().contiguous()}, output)
 

@@ -150,8 +150,9 @@ def how_to_read(gpu: bool) -> str:
             f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
             "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; err/eager = "
             "that error over eager's at the same dtype (bf16 for fp8); recipe err = ||out-recipe||/||recipe|| "
-            "against the rung's own recipe at its dtype (docs/notes/parity.md). Full definitions and raw samples are "
-            "in the JSON.")
+            "against the rung's own recipe at its dtype; stage err = the same per stage, each stage of the rung fed the "
+            "recipe's input for it (first images), its worst stage (docs/notes/parity.md). Full definitions and raw "
+            "samples are in the JSON.")
 
 
 def _get(r: dict, path: str):
@@ -176,6 +177,7 @@ CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, pl
     "nvml_process_peak_bytes": "memory.nvml_process_peak_bytes", "rss_peak_bytes": "memory.rss_peak_bytes",
     "img_per_joule": "utilisation.img_per_joule", "parity_ok": "parity.ok", "parity_rel_err": "parity.rel_err",
     "parity_ratio_to_eager": "parity.ratio_to_eager", "parity_recipe_rel_err": "parity.recipe.norm_rel_err",
+    "parity_stage_rel_err": "parity.stages.norm_rel_err", "parity_worst_stage": "parity.stages.worst",
     "contended": "contention.flagged", "other_cpus_busy": "contention.other_cpus_busy",
     "host": "where.host", "gpu": "where.gpu.name", "gpu_uuid": "where.gpu.uuid",
 }

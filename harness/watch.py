@@ -24,7 +24,7 @@ from harness.contention import Contention
 from harness.context import Context
 from harness.contract import CELL, ERROR, PHASE, contract_argv
 from harness.failures import cgroup_oom_kills, failure_status
-from harness.record import base_record, finish_record
+from harness.record import base_record, finish_record, stage_reference
 from harness.rundir import cell_dir, dir_bytes
 from harness.sampler import Sampler, device_memory_used
 from tiers import all_tiers
@@ -99,6 +99,8 @@ class ChildRun:
                      "output": cdir / "output.safetensors", "result": cdir / "result.json"}
             if self.ctx.protocol.census_steps:
                 files["census"] = cdir / "census.trace.json"
+            if isinstance(self.tier, PythonTier) and (stages := stage_reference(self.ctx, cell)):
+                files["stages"] = stages  # read by the child (a C++ rung gives no stages: its parity says so)
             for k in ("output", "result", "census"):  # what this cell's child writes
                 if k in files:
                     files[k].unlink(missing_ok=True)

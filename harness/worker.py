@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from core import train
 from core.cell import Built, Cell, Store
 from core.files import write_text_atomic
 from core.memory import proc_bytes
 from core.model import load_model, read_tensor
+from core.parity import run_stages, stage_errors, unpack_stages
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.stats import median, median_ci_rel
 from harness import profile
@@ -59,7 +60,8 @@ def capture_cuda_graph(built: Built, example: torch.Tensor) -> Built:
         return static_out
 
     return Built(forward=replay, stream=None, stream_description="torch current stream (CUDA graph replay)",
-                 stats={**built.stats, "cuda_graph": True}, uses_torch_allocator=built.uses_torch_allocator)
+                 stats={**built.stats, "cuda_graph": True}, uses_torch_allocator=built.uses_torch_allocator,
+                 stages=built.stages)  # the same kernels, launched one stage at a time
 
 
 class Clock:
@@ -170,6 +172,10 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
         save_file(train.output_tensors(losses, built.state()), kv["output"])
     else:
         save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
+        if kv.get("stages") and built.stages:  # the stage check (core/parity.py): errors only, the parent judges
+            refs = unpack_stages(load_file(kv["stages"]))
+            x = x_host[:refs[0][1].shape[0]].to(example.device)
+            result["stage_errors"] = stage_errors(run_stages(built.stages(), x, refs), refs)
     # Keep no reference to this output: under reduce-overhead (CUDA-graph trees) a later call overwrites it.
     result["output"] = {"shape": list(out.shape), "dtype": out.dtype}
     return tier, built, example

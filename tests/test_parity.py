@@ -55,19 +55,31 @@ def test_triton_tf32_computes_its_recipe():
 @pytest.mark.quick
 def test_the_stage_check_judges_its_worst_stage_where_the_dtype_has_a_tolerance():
     """fp8 (whose logits cannot be judged) is held to its worst stage; a dtype without a stage tolerance records
-    the figures and leaves the verdict to its other checks; stages that are not the recipe's are refused."""
-    from core.parity import STAGE_TOLERANCES, against_stages
+    the figures and leaves the verdict to its other checks; stages that are not the recipe's are refused; a cell
+    that should be judged by stages and gives none fails; the stages survive their file format."""
+    from core.parity import STAGE_TOLERANCES, against_stages, pack_stages, stage_errors, unpack_stages
 
-    ref = [("stem", torch.ones(4)), ("layer1.0", torch.ones(4)), ("head", torch.ones(4))]
-    off = [("stem", torch.ones(4)), ("layer1.0", torch.full((4,), 1 + 2 * STAGE_TOLERANCES["fp8"])),
-           ("head", torch.ones(4))]
-    wrong = against_stages({"ok": True, "reason": None}, off, ref, "fp8")
+    ref = [("stem", torch.ones(9, 4)), ("layer1.0", torch.ones(9, 4)), ("head", torch.full((9, 4), 1 / 3))]
+    off = [("stem", torch.ones(9, 4)), ("layer1.0", torch.full((9, 4), 1 + 2 * STAGE_TOLERANCES["fp8"])),
+           ("head", torch.full((9, 4), 1 / 3))]
+    right = {"ok": True, "reason": None}
+    wrong = against_stages(right, stage_errors(off, ref), "fp8")
     assert not wrong["ok"] and wrong["stages"]["worst"] == "layer1.0" and "stage layer1.0" in wrong["reason"]
-    assert against_stages({"ok": True, "reason": None}, ref, ref, "fp8")["ok"]
-    recorded = against_stages({"ok": True, "reason": None}, off, ref, "bf16")
+    assert against_stages(right, stage_errors(ref, ref), "fp8")["ok"]
+    recorded = against_stages(right, stage_errors(off, ref), "bf16")
     assert recorded["ok"] and recorded["stages"]["ok"] is None and recorded["stages"]["norm_rel_err"] > 0
     with pytest.raises(ValueError, match="not the recipe's"):
-        against_stages({"ok": True, "reason": None}, off[:2], ref, "fp8")
+        stage_errors(off[:2], ref)
+
+    logits = torch.ones(2, 4)
+    missing = verdict(logits, logits, "fp8", recipe=("folded", logits))
+    assert not missing["ok"] and "no stage check" in missing["reason"]
+    assert verdict(logits, logits, "fp8", recipe=("folded", logits), stages=stage_errors(ref, ref))["ok"]
+
+    packed = unpack_stages({**pack_stages(off, images=8), "output": logits})
+    assert [n for n, _ in packed] == ["stem", "layer1.0", "head"] and packed[0][1].shape[0] == 8
+    assert packed[1][1].dtype == torch.float32 and packed[0][1].dtype == torch.bfloat16  # bf16 only where exact
+    assert torch.equal(packed[2][1], off[2][1][:8])
 
 
 def test_each_stage_of_the_triton_rung_is_its_recipes_and_a_wrong_one_shows_in_its_own_stage():
@@ -75,8 +87,7 @@ def test_each_stage_of_the_triton_rung_is_its_recipes_and_a_wrong_one_shows_in_i
     input for it, against the recipe's stages at tf32: the right network within 1e-3 at every stage; a batch-norm
     scale 10% off shows in its own block and the classifier's bias dropped in the head, each beyond fp8's stage
     tolerance."""
-    from core.parity import against_stages
-    from harness.mutations import rung_stages
+    from core.parity import against_stages, run_stages, stage_errors
     from kernels.triton.resnet import TritonResNet
 
     model = build_model("resnet18")
@@ -85,7 +96,8 @@ def test_each_stage_of_the_triton_rung_is_its_recipes_and_a_wrong_one_shows_in_i
 
     def stages(m):
         net = TritonResNet(m, torch.float32, "cpu", "tf32", tune=False)
-        return against_stages({"ok": True, "reason": None}, rung_stages(net, x, refs, "tf32"), refs, "fp8")["stages"]
+        errors = stage_errors(run_stages(net.stages(torch.float32), x, refs), refs)
+        return against_stages({"ok": True, "reason": None}, errors, "fp8")["stages"]
 
     right = stages(model)
     assert list(right["each"]) == [name for name, _ in refs] and right["ok"] and right["norm_rel_err"] < 1e-3, right

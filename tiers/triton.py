@@ -12,6 +12,7 @@ import copy
 import os
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,20 @@ def calibrate(model: torch.nn.Module, example: torch.Tensor) -> dict[str, float]
     shape, which is not the input parity is checked on (core/recipes.py)."""
     x = calibration_input(example.shape[0], example.shape[-1]).to(example.device)
     return calibration_amax(copy.deepcopy(model).to(example.device), x)
+
+
+def untuned(stage: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`stage` with any shape missing from the tuning tables run in its untuned configuration, not autotuned: the
+    stage check's few images are shapes no table holds, and it judges what the kernels compute, not their speed."""
+    from kernels.triton import tuning  # as in build
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        saved, tuning.NO_AUTOTUNE = tuning.NO_AUTOTUNE, True
+        try:
+            return stage(x)
+        finally:
+            tuning.NO_AUTOTUNE = saved
+    return run
 
 
 class TritonTier(PythonTier):
@@ -154,7 +169,8 @@ class TritonTier(PythonTier):
             "chain": self.setting(cell, "chain"),
             **({"fp8": FP8_RECIPE} if fp8 else {}),
         }
-        return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE))
+        return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE),
+                     stages=lambda: [(name, untuned(stage)) for name, stage in net.stages(torch_dtype(cell.dtype))])
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
               baselines: bool = True) -> list[dict]:
