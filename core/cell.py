@@ -61,7 +61,7 @@ class Cell:
     @property
     def label(self) -> str:
         """Short rung label for tables: tier, its options and the CUDA-graph flag."""
-        opts = ",".join(v for _, v in self.options)
+        opts = ",".join(f"{k}={v}" if v in ("on", "off") else v for k, v in self.options)  # eager(cudnn-benchmark=off)
         return self.tier + (f"({opts})" if opts else "") + ("+graph" if self.cuda_graph else "")
 
     def to_dict(self) -> dict[str, Any]:

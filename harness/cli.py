@@ -81,7 +81,8 @@ def _positive_int(text: str) -> int:
 
 
 def _rung_option(text: str) -> tuple[str, str, str]:
-    """TIER:KEY=VALUE, checked against the options the rung declares (tiers/base.py Tier.options)."""
+    """TIER:KEY=VALUE or TIER:KEY=V1,V2 (one cell per value), checked against the options the rung declares
+    (tiers/base.py Tier.options)."""
     tier, _, rest = text.partition(":")
     key, _, value = rest.partition("=")
     tiers = all_tiers()
@@ -93,11 +94,12 @@ def _rung_option(text: str) -> tuple[str, str, str]:
         raise argparse.ArgumentTypeError("give compile modes with --compile-mode (a list)")
     if key not in valid:
         raise argparse.ArgumentTypeError(f"{tier} has no option {key!r} (valid: {', '.join(valid) or 'none'})")
-    if valid[key] is None and not (value.isdigit() and int(value) > 0):
-        raise argparse.ArgumentTypeError(f"{tier}:{key} takes a positive integer, not {value!r}")
-    if valid[key] is not None and value not in valid[key]:
-        raise argparse.ArgumentTypeError(f"invalid choice {value!r} for {tier}:{key} (choose from "
-                                         f"{', '.join(valid[key])})")
+    for each in value.split(","):
+        if valid[key] is None and not (each.isdigit() and int(each) > 0):
+            raise argparse.ArgumentTypeError(f"{tier}:{key} takes a positive integer, not {each!r}")
+        if valid[key] is not None and each not in valid[key]:
+            raise argparse.ArgumentTypeError(f"invalid choice {each!r} for {tier}:{key} (choose from "
+                                             f"{', '.join(valid[key])})")
     return tier, key, value
 
 
@@ -126,7 +128,8 @@ def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
     lad.add_argument("--compile-mode", type=_list(str, COMPILE_MODES), default=["default"],
                      help="comma list from default,reduce-overhead,max-autotune (for the compile rung)")
     lad.add_argument("--option", type=_rung_option, action="append", default=[], metavar="TIER:KEY=VALUE",
-                     help="rung-specific option, e.g. triton:autotune=off, tensorrt:trt-max-batch=512 (repeatable)")
+                     help="rung-specific option, e.g. eager:cudnn-benchmark=on,off (a cell per value), "
+                          "triton:autotune=off, tensorrt:trt-max-batch=512 (repeatable)")
     lad.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if a GPU is present")
     lad.add_argument("--isolation", choices=("rung", "cell"), default="rung",
                      help="rung: one process per rung measures its cells in turn, caches kept (default, fast); "

@@ -78,9 +78,10 @@ def plan(args: LadderConfig, device: str) -> list[Cell]:
     for tier in tiers:
         tier_dtypes = args.dtype or deployed_dtypes(tier, dtypes, tiers, args.task)
         for layout, dtype, batch, res, graph in itertools.product(layouts, tier_dtypes, batches, resolutions, graphs):
-            given = tuple((k, v) for t, k, v in args.option if t == tier)
-            option_sets = ([tuple(sorted((("compile-mode", m),) + given)) for m in args.compile_mode]
-                           if tier == "compile" else [tuple(sorted(given))])
+            given = [[(k, v) for v in values.split(",")] for t, k, values in args.option if t == tier]
+            if tier == "compile":
+                given.append([("compile-mode", m) for m in args.compile_mode])
+            option_sets = [tuple(sorted(choice)) for choice in itertools.product(*given)]
             for opts in option_sets:
                 if graph and not all_tiers()[tier].cuda_graph:
                     continue  # --cuda-graph on/both adds graphed cells for the rungs that have that mode

@@ -153,11 +153,15 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     phase("build")
     t = time.perf_counter()
     set_math_mode(cell.dtype)
+    benchmark = tier.setting(cell, "cudnn-benchmark")  # tiers/base.py CUDNN_BENCHMARK; None: no cuDNN of PyTorch's
+    torch.backends.cudnn.benchmark = benchmark == "on"
     example = prepare_input(x_host, cell)
     if cell.task == "train":
         built = tier.build_train(model.train(), example, cell, store, lr=float(kv["lr"]))
     else:
         built = tier.build(model, example, cell, store)
+    if benchmark is not None:
+        built.stats["cudnn_benchmark"] = benchmark == "on"
     if cell.cuda_graph and not built.captured:
         built = capture_cuda_graph(built, example)
     result["cold"]["build_s"] = time.perf_counter() - t

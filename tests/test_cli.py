@@ -40,7 +40,7 @@ def test_bad_values_name_the_valid_choices(capsys, args, valid):
 
 @pytest.mark.quick
 def test_rung_options_are_checked_against_what_the_rung_declares(capsys):
-    assert "eager has no option 'x' (valid: none)" in harness(capsys, "ladder", "--option", "eager:x=1")[2]
+    assert "eager has no option 'x' (valid: cudnn-benchmark)" in harness(capsys, "ladder", "--option", "eager:x=1")[2]
     assert "takes a positive integer" in harness(capsys, "ladder", "--option", "tensorrt:trt-max-batch=0")[2]
     assert "triton:autotune" in harness(capsys, "ladder", "--option", "garbage")[2]
     assert "invalid choice 'maybe' for triton:autotune (choose from on, off)" in harness(
@@ -212,6 +212,22 @@ def test_a_resolution_under_32_is_planned_with_a_note(capsys):
     assert sorted(c.res for c in cells) == [7, 64]
     err = capsys.readouterr().err
     assert "note: at res 7 the feature maps shrink to 1x1 before the last stage" in err and "res 64" not in err
+
+
+@pytest.mark.quick
+def test_an_option_given_several_values_plans_a_cell_per_value(capsys):
+    from harness import cli
+    from harness.plan import plan
+
+    args = cli.parser().parse_args(["ladder", "--tiers", "eager,compile", "--batch", "256", "--dtype", "bf16",
+                                    "--option", "eager:cudnn-benchmark=on,off", "--option",
+                                    "compile:cudnn-benchmark=off", "--compile-mode", "default,max-autotune"])
+    args.argv = []
+    labels = sorted(c.label for c in plan(cli.ladder_config(args), "cuda"))
+    assert labels == ["compile(default,cudnn-benchmark=off)", "compile(max-autotune,cudnn-benchmark=off)",
+                      "eager(cudnn-benchmark=off)", "eager(cudnn-benchmark=on)"], labels
+    assert "invalid choice 'maybe' for eager:cudnn-benchmark (choose from on, off)" in harness(
+        capsys, "ladder", "--option", "eager:cudnn-benchmark=on,maybe")[2]
 
 
 @pytest.mark.quick

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from core.cell import Built, Cell
-from tiers.base import PythonTier
+from tiers.base import CUDNN_BENCHMARK, PythonTier
 from tiers.exports import run_export
 from tiers.exports.aot_inductor import OPTIONS, missing_api, option, package
 from tiers.libtorch import LibTorch
@@ -35,7 +35,7 @@ PYTHON_LOADER_CRASHES_ON_CUDA = ("2.11.0+cu130",)
 class AotInductor(PythonTier):
     name = "aot-inductor"
     summary = "torch.export (dynamic batch) + AOTInductor .pt2 package, loaded with aoti_load_package from Python"
-    options = OPTIONS
+    options = {**OPTIONS, **CUDNN_BENCHMARK}
     caches = ("aot-inductor",)  # the packages, under the run's cache directory
     warm_in_prepare = True  # the prepare stage builds the packages; a measured cell loads one
     batch_change = True  # a dynamic-batch package serves every batch size (a static one: changes_batch)
@@ -65,7 +65,7 @@ class AotInductorCpp(LibTorch):
     name = "aot-inductor-cpp"
     summary = "the aot-inductor rung's .pt2 package, loaded with AOTIModelPackageLoader and run from C++; no Python"
     models = None
-    options = OPTIONS
+    options = {**OPTIONS, **CUDNN_BENCHMARK}
     cuda_graph = False
     cannot_train = "an AOTInductor package is an inference graph (no backward)"
     target = "ladder_aoti_cpp"

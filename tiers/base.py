@@ -18,6 +18,12 @@ import torch
 from core.cell import FRAMEWORK_DTYPES, Built, Cell, Store
 
 
+# The rungs that call PyTorch's cuDNN convolutions run them as a fixed-shape deployment does: with cuDNN's benchmark
+# mode on (each shape's fastest algorithm timed once, at the first call). `--option TIER:cudnn-benchmark=off` runs
+# cuDNN's heuristic choice instead. The C++ rungs read the same option (cpp/libtorch/torch_rung.h).
+CUDNN_BENCHMARK = {"cudnn-benchmark": ("on", "off")}
+
+
 class Tier:
     name: str = ""
     summary: str = ""

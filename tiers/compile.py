@@ -18,7 +18,7 @@ from core import train
 from core.cell import Built
 from core.model import num_classes
 from core.placement import place_model
-from tiers.base import PythonTier
+from tiers.base import CUDNN_BENCHMARK, PythonTier
 
 MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -26,7 +26,7 @@ MODES = ("default", "reduce-overhead", "max-autotune")
 class Compile(PythonTier):
     name = "compile"
     summary = "torch.compile / Inductor (mode from --compile-mode)"
-    options = {"compile-mode": MODES}
+    options = {"compile-mode": MODES, **CUDNN_BENCHMARK}  # Inductor hands its convolutions to cuDNN
     caches = ("inductor", "triton")
     warm_in_prepare = True
     batch_change = True

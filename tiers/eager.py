@@ -5,7 +5,7 @@ from core.cell import Built
 from core.layers import module_scopes
 from core.model import num_classes
 from core.placement import place_model
-from tiers.base import PythonTier
+from tiers.base import CUDNN_BENCHMARK, PythonTier
 
 
 class Eager(PythonTier):
@@ -14,6 +14,7 @@ class Eager(PythonTier):
     cuda_graph = True
     batch_change = True
     cannot_train = None
+    options = CUDNN_BENCHMARK
 
     def parity_recipe(self, cell):
         return "eager"

@@ -12,7 +12,7 @@ import torch
 
 from core.cbuild import build_dir, cmake_build, cuda_toolkit, require_tools, sources_missing
 from core.cell import Cell, Unavailable
-from tiers.base import ExternalTier
+from tiers.base import CUDNN_BENCHMARK, ExternalTier
 from tiers.exports import run_export
 
 
@@ -42,6 +42,7 @@ class LibTorch(ExternalTier):
     models = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "resnext50_32x4d")
     cuda_graph = True
     target = "ladder_libtorch"
+    options = CUDNN_BENCHMARK
 
     def parity_recipe(self, cell: Cell) -> str | None:
         return "eager"  # torch::nn calls the ATen kernels eager calls

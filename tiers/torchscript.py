@@ -10,7 +10,7 @@ from core import train
 from core.cell import Built
 from core.model import num_classes
 from core.placement import place_model
-from tiers.base import PythonTier
+from tiers.base import CUDNN_BENCHMARK, PythonTier
 from tiers.exports.torchscript import export_torchscript
 
 
@@ -20,6 +20,7 @@ class TorchScript(PythonTier):
     cuda_graph = True
     batch_change = True
     cannot_train = None
+    options = CUDNN_BENCHMARK
 
     def build(self, model, example, cell, store):
         module, facts = export_torchscript(place_model(model, cell), example)

@@ -196,7 +196,11 @@ class TorchRung : public ladder::Rung {
     stats["cuda_graph"] = a.flag("cuda-graph");
     if (a.on_gpu()) {
       if (!torch::cuda::is_available()) throw std::runtime_error("--device cuda but torch sees no CUDA device");
-      cfg.device = torch::Device(torch::kCUDA, 0);  // cuDNN benchmark mode stays off, as in the Python rungs
+      cfg.device = torch::Device(torch::kCUDA, 0);
+      // cuDNN's benchmark mode, on unless the cell says off (tiers/base.py CUDNN_BENCHMARK, the Python rungs' rule)
+      const bool benchmark = a.option("cudnn-benchmark", "on") == "on";
+      at::globalContext().setBenchmarkCuDNN(benchmark);
+      stats["cudnn_benchmark"] = benchmark;
       // A process measuring several cells in turn: the previous cell's cached blocks go back first, as the Python
       // worker's torch.cuda.empty_cache() does, so that each cell's memory figures are its own.
       c10::cuda::CUDACachingAllocator::emptyCache();
