@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from core.cell import layout_name
 from harness.record import CONTENDED_MARK, bound, contended, ranked
+from tiers import all_tiers
 
 BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is over eager in its activations' type
 
@@ -19,11 +20,34 @@ def eager_baseline(records: list[dict], r: dict) -> dict | None:
     return None
 
 
+def hand_written(r: dict) -> bool:
+    tier = all_tiers().get(r["tier"])
+    return bool(tier and tier.hand_written)
+
+
+def best_framework(records: list[dict], r: dict) -> dict | None:
+    """The fastest cell of a framework rung (not hand_written) at r's task, model, batch, res, device and dtype (fp8:
+    its activations' type), in any layout, mode or option: the best a user of a framework would run."""
+    dtype = BASELINE_DTYPE.get(r["dtype"], r["dtype"])
+    same = [e for e in records if ranked(e) and not hand_written(e) and e["dtype"] == dtype
+            and e.get("task", "infer") == r.get("task", "infer")
+            and all(e[k] == r[k] for k in ("model", "batch", "res", "device"))]
+    return min(same, key=lambda e: e["latency_ms"]["median"], default=None)
+
+
 def speedup(base: dict | None, r: dict) -> float | None:
-    """r's speed-up over its eager baseline (eager_baseline)."""
+    """r's speed-up over `base`: its eager baseline (eager_baseline) or the best framework cell."""
     if base is None or not ranked(r):
         return None
     return base["latency_ms"]["median"] / r["latency_ms"]["median"]
+
+
+def speedups(records: list[dict], r: dict) -> dict:
+    """r's speed-ups as the JSON document states them: over its eager baseline and over the best framework cell,
+    each with the cell it divides."""
+    base, framework = eager_baseline(records, r), best_framework(records, r)
+    return {"vs_eager": speedup(base, r), "eager": base and base["key"],
+            "vs_best_framework": speedup(framework, r), "best_framework": framework and framework["key"]}
 
 
 CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
@@ -68,6 +92,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         par = r.get("parity") or {}
         base = eager_baseline(records, r)
         vs_eager = speedup(base, r)
+        vs_framework = speedup(best_framework(records, r), r)
         out.append({
             "rung": r["label"] + (" (interpreted)" if ok and not speed else "") + (CONTENDED_MARK if ok and contended(r)
                                                                                  else ""),
@@ -85,6 +110,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "pipelined img/s": fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
             "vs eager": (fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
                          + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
+            "vs fw": fmt(vs_framework, ".2f") + "x" if vs_framework else "",
             "host us/call": fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
             "TFLOP/s": fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
@@ -103,7 +129,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
 
 
 def fastest_lines(records: list[dict]) -> list[str]:
-    """One line per (batch, dtype, layout, res): the fastest rung and its lead over eager."""
+    """One line per (batch, dtype, layout, res): the fastest rung, its lead over eager and, for a hand-written rung,
+    over the best framework cell."""
     ok = [r for r in records if ranked(r)]
     out = []
     def config(r: dict) -> tuple:
@@ -112,8 +139,12 @@ def fastest_lines(records: list[dict]) -> list[str]:
     for key in sorted({config(r) for r in ok}):
         best = min((r for r in ok if config(r) == key), key=lambda r: r["latency_ms"]["median"])
         lead = speedup(eager_baseline(records, best), best)
+        framework = best_framework(records, best) if hand_written(best) else None
+        over = (f", {speedup(framework, best):.2f}x the best framework cell ({framework['label']} "
+                f"{framework['dtype']} {layout_name(framework['channels_last'])}, "
+                f"{framework['latency_ms']['median']:.2f} ms)" if framework else "")
         out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
                    f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
-                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else "")
+                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else "") + over
                    + (f"{CONTENDED_MARK}: measured beside other load" if contended(best) else ""))
     return out

@@ -30,6 +30,10 @@ HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (
 
 # What every figure of a record means; shipped inside every JSON file so it reads on its own.
 DEFINITIONS = {
+    "speedups": "derived when the document is written (harness/derive.py): vs_eager = eager's median over this "
+                "cell's (eager at the same task, batch, res, layout and dtype, bf16 for fp8; `eager` its key); "
+                "vs_best_framework = the same over the fastest cell of a framework rung (not hand-written) at the "
+                "same task, batch, res and dtype in any layout, mode or option (`best_framework` its key)",
     "census": "the kernel census of the cell's census pass (python -m harness micro --tiers; after every timed "
               "phase): unit (GPU kernels; on the CPU operators by self time), steps profiled, wall_ms (a step's "
               "wall time, synchronised), busy_ms (time at least one kernel ran), kernel_ms (the kernels' summed "

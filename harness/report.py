@@ -14,8 +14,8 @@ from rich.text import Text
 
 from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
-from harness.derive import (CROSS_GPU, CROSS_RUN, PEAK_SPREAD, eager_baseline, fastest_lines, fmt, mixes_gpus,
-                            mixes_host_draws, rows, speedup)
+from harness.derive import (CROSS_GPU, CROSS_RUN, PEAK_SPREAD, best_framework, eager_baseline, fastest_lines, fmt,
+                            mixes_gpus, mixes_host_draws, rows, speedup, speedups)
 from harness.load import BadInput, load_records
 from harness.plots import write_plots
 from harness.record import CONTENDED_MARK, bound, contended, contended_line, document, ranked
@@ -149,7 +149,8 @@ def how_to_read(gpu: bool) -> str:
     return (f"How to read it: {timing}; img/s = batch / median; pipelined = no sync between forwards; host us/call "
             f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
             "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; err/eager = "
-            "that error over eager's at the same dtype (bf16 for fp8); recipe err = ||out-recipe||/||recipe|| "
+            "that error over eager's at the same dtype (bf16 for fp8); vs fw = speed-up over the fastest framework "
+            "(not hand-written) cell of the same task, batch, res and dtype, in any layout, mode or option; recipe err = ||out-recipe||/||recipe|| "
             "against the rung's own recipe at its dtype; stage err = the same per stage, each stage of the rung fed the "
             "recipe's input for it (first images), its worst stage (docs/notes/parity.md). Full definitions and raw "
             "samples are in the JSON.")
@@ -189,17 +190,19 @@ def to_csv(doc: dict) -> str:
     records = doc["results"]
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run", "speedup_cross_gpu"])
+    w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run", "speedup_cross_gpu",
+                "speedup_vs_best_framework", "best_framework"])
     for r in records:
         r = {**r, "layout": r.get("layout") or layout_name(r["channels_last"]), "bound": bound(r),
              "task": r.get("task", "infer")}
-        base = eager_baseline(records, r)
+        base, framework = eager_baseline(records, r), best_framework(records, r)
         w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
-                   + [fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r), mixes_gpus(base, r)])
+                   + [fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r), mixes_gpus(base, r),
+                      fmt(speedup(framework, r), ".6g"), framework["label"] if framework else ""])
     return buf.getvalue()
 
 
-COMPACT = ["rung", "batch", "dtype", "layout", "median ms", "img/s", "vs eager", "bound", "parity"]
+COMPACT = ["rung", "batch", "dtype", "layout", "median ms", "img/s", "vs eager", "vs fw", "bound", "parity"]
 
 
 SHORT_STATUS = {"parity-fail": "FAIL", "interrupted": "stopped"}  # fits the compact table's 9-wide column
@@ -290,7 +293,11 @@ def write(doc: dict, json_path: Path | None, md_path: Path | None, csv_path: Pat
         plots.extend(write_plots(doc, md_path.parent / "plots"))
         return markdown(doc, [(c, str(p.relative_to(md_path.parent))) for c, p in plots])
 
-    texts = ((json_path, lambda: json.dumps(doc, indent=1)), (csv_path, lambda: to_csv(doc)), (md_path, md))
+    def document() -> str:  # each record with its speed-ups (derived: a merged report derives them again)
+        records = doc["results"]
+        return json.dumps({**doc, "results": [{**r, "speedups": speedups(records, r)} for r in records]}, indent=1)
+
+    texts = ((json_path, document), (csv_path, lambda: to_csv(doc)), (md_path, md))
     for path, text in texts:  # the JSON first: it is the source of truth
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -304,3 +304,32 @@ def test_micro_training_table_fits_100_columns_with_whole_layer_names():
     assert max(len(line) for line in lines) <= 100
     shown = {line.split()[0] for line in lines if line.strip() and line.split()[0] in {r["layer"] for r in rows}}
     assert shown == {r["layer"] for r in rows}
+
+
+@pytest.mark.quick
+def test_a_hand_written_cell_is_stated_against_the_best_framework_cell_of_its_dtype():
+    """vs fw divides the fastest framework cell (any layout, mode or option; never a hand-written one) at the same
+    task, batch, res and dtype (bf16 for fp8); the fastest line names it; the CSV and the JSON carry both."""
+    from harness.derive import best_framework, fastest_lines, rows, speedups
+
+    def rec(tier, ms, dtype="bf16", channels_last=True, options=None, batch=256):
+        label = tier + (f"({','.join(options.values())})" if options else "")
+        return {"key": f"{label}-{dtype}-{channels_last}-{batch}", "tier": tier, "label": label, "task": "infer",
+                "model": "resnet50", "batch": batch, "res": 224, "dtype": dtype, "channels_last": channels_last,
+                "cuda_graph": False, "device": "cuda", "options": options or {}, "status": "ok",
+                "latency_ms": {"median": ms}, "host_overhead_us": {"median": 50.0}, "throughput_img_s": batch / ms * 1e3}
+
+    records = [rec("eager", 16.0), rec("eager", 20.0, channels_last=False), rec("compile", 11.0),
+               rec("compile", 9.0, channels_last=False, options={"compile-mode": "max-autotune"}),
+               rec("cudnn", 6.4), rec("triton", 6.0), rec("triton", 5.5, dtype="fp8"), rec("eager", 5.0, dtype="tf32"),
+               rec("compile", 4.0, batch=32)]
+    assert best_framework(records, records[5])["label"] == "compile(max-autotune)"
+    assert best_framework(records, records[6])["label"] == "compile(max-autotune)"  # fp8 against bf16
+    by_label = {(r["label"], r["dtype"]): row for r, row in zip(records, rows(records))}
+    assert by_label[("triton", "bf16")]["vs fw"] == "1.50x" and by_label[("triton", "bf16")]["vs eager"] == "2.67x"
+    assert by_label[("compile(max-autotune)", "bf16")]["vs fw"] == "1.00x"
+    line = next(x for x in fastest_lines(records) if x.startswith("batch 256 bf16 nhwc"))
+    assert "fastest triton 6.00 ms, 2.67x eager, 1.50x the best framework cell (compile(max-autotune) bf16 nchw, " \
+           "9.00 ms)" in line, line
+    assert speedups(records, records[5])["best_framework"] == records[3]["key"]
+    assert report.to_csv({"results": records}).splitlines()[0].endswith("speedup_vs_best_framework,best_framework")

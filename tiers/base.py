@@ -49,6 +49,9 @@ class Tier:
     cannot_train: str | None = "no training path"
     # Whether `micro` exists: a per-layer microbenchmark (`python -m harness micro`).
     has_micro: bool = False
+    # Whether the network is written here, kernel by kernel (triton, cudnn), rather than run by a framework: the
+    # reports state these rungs' speed against the best framework cell too (harness/derive.py best_framework).
+    hand_written: bool = False
 
     def availability(self, device: str) -> str | None:
         """None if the rung can run on `device` ('cuda' or 'cpu'), else the exact reason it cannot."""

@@ -132,6 +132,7 @@ def _cuda_arch() -> str:
 
 
 class CudnnTier(ExternalTier):
+    hand_written = True
     options = {"autotune": None, "workspace-mb": None}
     caches = ("engines",)  # engine choices per convolution (engines.tsv in the run's cache; one shipped per GPU)
     name = "cudnn"

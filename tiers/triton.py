@@ -71,6 +71,7 @@ def untuned(stage: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
 class TritonTier(PythonTier):
     name = "triton"
     dtypes = DTYPES  # fp8 too
+    hand_written = True
     cannot_train = 'the hand-written Triton kernels have a forward pass only (no backward yet)'
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
