@@ -155,8 +155,13 @@ def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
     lad.add_argument("--warmup-max", type=_positive_int, default=200, help="most warm-up iterations")
     lad.add_argument("--warmup-s", type=_number(0, low_open=False), default=1.0,
                      help="most warm-up seconds (unless still under 5 calls)")
-    lad.add_argument("--util-s", type=_number(0, low_open=False), default=0.3,
-                     help="seconds of the utilisation pass")
+    lad.add_argument("--util-s", type=_number(0, low_open=False), default=None,
+                     help="seconds of the utilisation pass, whose board energy gives img/J (default 2 on the GPU: "
+                          "NVML's energy counter needs seconds; 0.3 on the CPU)")
+    lad.add_argument("--sustain", type=_number(0, low_open=False), default=0.0, metavar="SECONDS",
+                     help="GPU cells at --sustain-batch or more also run SECONDS of back-to-back load, then are "
+                          "measured for 2 s more: the sustained throughput, clocks, power and img/J")
+    lad.add_argument("--sustain-batch", type=_positive_int, default=256, help="smallest batch --sustain applies to")
     lad.add_argument("--e2e-iters", type=_positive_int, default=3, help="iterations of each end-to-end variant")
     lad.add_argument("--timeout", type=_number(0), default=900.0, help="seconds before a cell is killed and recorded")
     lad.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
@@ -287,12 +292,12 @@ def refuse(message: str, status: int = 2) -> int:
 def ladder_config(args: argparse.Namespace) -> LadderConfig:
     protocol = Protocol(warmup_max=args.warmup_max, warmup_s=args.warmup_s, iters=args.iters,
                         min_time_s=args.min_time, max_time_s=max(args.max_time, args.min_time),
-                        precision=args.precision, util_s=args.util_s, e2e_iters=args.e2e_iters,
-                        timeout_s=args.timeout)
+                        precision=args.precision, e2e_iters=args.e2e_iters, timeout_s=args.timeout,
+                        sustain_s=args.sustain, sustain_batch=args.sustain_batch)
     shared = ("command", "model", "task", "tiers", "batch", "res", "dtype", "layout", "cuda_graph", "compile_mode",
               "option", "device", "isolation", "executor", "ray_address", "retune", "isolation_check", "jobs", "host_probe", "out", "rerun",
               "json", "markdown", "csv", "wide", "argv")
-    return LadderConfig(protocol=protocol, **{k: getattr(args, k) for k in shared})
+    return LadderConfig(protocol=protocol, util_s=args.util_s, **{k: getattr(args, k) for k in shared})
 
 
 def micro_command(args: argparse.Namespace) -> int:

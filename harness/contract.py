@@ -11,8 +11,8 @@ from core import train
 from core.cell import Cell
 
 # The phases a child announces, in order (`@@phase NAME`); `census` follows `util` when --census-steps is above 0,
-# and `hot` follows `after` in the cell that measures the hot start. The parent keeps NVML and /proc out of
-# TIMED_PHASES.
+# and `hot` follows `after` in the cell that measures the hot start. In TIMED_PHASES the parent reads no /proc and of
+# NVML only the clocks and the power (harness/sampler.py).
 PHASES = ("load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done")
 TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
 # The keys of a measured cell's result file (--result).
@@ -30,6 +30,17 @@ TRAIN_PHASES = ("load", "build", "train", "done")
 TRAIN_RESULT_KEYS = frozenset({"cold", "build_stats", "epochs"})
 # What a child prints on stdout for the parent: which cell of a `--cells` list begins, which phase, what failed.
 CELL, PHASE, ERROR = "@@cell ", "@@phase ", "@@error "
+# A sustained cell's figures (Protocol.sustain_s) are its util pass's last seconds: throughput from the pass's
+# marks (the result's util.marks: seconds since the pass began and calls done, about every UTIL_MARK_S), clocks,
+# power and energy from NVML over the same seconds; energy needs seconds to be read right (harness/sampler.py).
+SUSTAIN_WINDOW_S = 2.0
+UTIL_MARK_S = 0.25
+
+
+# The util pass by device: back-to-back calls whose board energy gives img/J. NVML's energy counter moves every few
+# tens of ms, so on the GPU the window is seconds long (harness/sampler.py energy states its error); the CPU has no
+# energy counter.
+UTIL_S = {"cuda": 2.0, "cpu": 0.3}
 
 
 @dataclass
@@ -47,15 +58,26 @@ class Protocol:
     pipelined_iters: int = 5
     pipelined_s: float = 0.25
     e2e_iters: int = 3
-    util_s: float = 0.3
+    util_s: float = 2.0  # UTIL_S["cuda"]
     census_steps: int = 0  # the census pass's calls (python -m harness micro --tiers); 0: no census
-    timeout_s: float = 900.0  # the parent's, not the child's: a cell without a result after this is killed
+    # The parent's, not the child's: a cell without a result after this is killed.
+    timeout_s: float = 900.0
+    # A GPU cell at sustain_batch or more runs its util pass for sustain_s + SUSTAIN_WINDOW_S: its sustained figure
+    # is the last SUSTAIN_WINDOW_S, after that much load (0: none). The parent's: the child sees a longer util-s.
+    sustain_s: float = 0.0
+    sustain_batch: int = 256
 
-    def args(self) -> list[str]:
+    def sustains(self, cell: Cell) -> bool:
+        return self.sustain_s > 0 and cell.device == "cuda" and cell.batch >= self.sustain_batch
+
+    def args(self, cell: Cell) -> list[str]:
         out = []
         for f in dataclasses.fields(self):
-            if f.name != "timeout_s":
-                out += [f"--{f.name.replace('_', '-')}", str(getattr(self, f.name))]
+            if f.name in ("timeout_s", "sustain_s", "sustain_batch"):
+                continue
+            value = self.sustain_s + SUSTAIN_WINDOW_S if f.name == "util_s" and self.sustains(cell) else getattr(
+                self, f.name)
+            out += [f"--{f.name.replace('_', '-')}", str(value)]
         return out
 
 
@@ -67,7 +89,7 @@ def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protoc
         "--dtype", cell.dtype, "--channels-last", str(int(cell.channels_last)),
         "--cuda-graph", str(int(cell.cuda_graph)), "--device", cell.device, "--task", cell.task,
         *(a for k, v in cell.options for a in ("--option", f"{k}={v}")),
-        *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args(),
+        *(a for k, v in files.items() for a in (f"--{k}", str(v))), *protocol.args(cell),
         *(("--parity-steps", str(train.K_STEPS), "--lr", repr(train.LEARNING_RATE)) if cell.task == "train" else ()),
         *(a for k, v in (extra or {}).items() for a in (f"--{k}", v))]
 

@@ -4,7 +4,7 @@ configuration."""
 from __future__ import annotations
 
 from core.cell import layout_name
-from harness.record import CONTENDED_MARK, bound, contended, ranked
+from harness.record import CONTENDED_MARK, SLOW_CLOCK_SHARE, bound, contended, ranked
 from tiers import all_tiers
 
 BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is over eager in its activations' type
@@ -48,6 +48,29 @@ def speedups(records: list[dict], r: dict) -> dict:
     base, framework = eager_baseline(records, r), best_framework(records, r)
     return {"vs_eager": speedup(base, r), "eager": base and base["key"],
             "vs_best_framework": speedup(framework, r), "best_framework": framework and framework["key"]}
+
+
+SLOW_MARK = "*"  # an SM clock below SLOW_CLOCK_SHARE of its maximum while timed (harness/record.py)
+
+
+def clock_lines(records: list[dict]) -> list[str]:
+    """What held the clocks while cells were timed: the cells whose SM clock sat below SLOW_CLOCK_SHARE of its
+    maximum and the reason NVML gave most, and the cells whose energy was withheld and why."""
+    ok = [r for r in records if r["status"] == "ok"]
+    slow = [r for r in ok if (r.get("clocks") or {}).get("slow")]
+    out = []
+    if slow:
+        top = (slow[0]["clocks"] or {}).get("sm_clock_max_mhz")
+        out.append(f"{SLOW_MARK} {len(slow)} of {len(ok)} cells ran with the SM clock below "
+                   f"{SLOW_CLOCK_SHARE:.0%} of its {top:.0f} MHz maximum while timed (median MHz, what held it): "
+                   + "; ".join(f"{r['label']} b{r['batch']} {r['dtype']} {r['clocks']['sm_clock_mhz_median']:.0f}"
+                               f" ({r['clocks'].get('held_by_most') or 'no reason given'})" for r in slow) + ".")
+    withheld = [(r, w) for r in ok for w in ((r.get("utilisation") or {}).get("energy_withheld"),
+                                             (r.get("sustained") or {}).get("energy_withheld")) if w]
+    if withheld:
+        out.append("img/J withheld: " + "; ".join(f"{r['label']} b{r['batch']} {r['dtype']}: {w}"
+                                                   for r, w in withheld) + ".")
+    return out
 
 
 CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
@@ -116,6 +139,11 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "TFLOP/s": fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
             "first result s": fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
             "img/J": fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
+            "SM MHz": (fmt(clk.get("sm_clock_mhz_median"), ".0f") + (SLOW_MARK if clk.get("slow") else "")
+                       if ok and (clk := r.get("clocks") or {}) else ""),
+            "W": fmt(clk.get("power_w_median"), ".0f") if ok and clk else "",
+            "sustained img/s": fmt((r.get("sustained") or {}).get("throughput_img_s"), ",.0f") if speed else "",
+            "sustained img/J": fmt((r.get("sustained") or {}).get("img_per_joule"), ".1f") if speed else "",
             "GPU MiB (NVML)": fmt(nv / 2**20, ".0f") if nv else "",
             "alloc MiB": fmt(alloc / 2**20, ".0f") if alloc else "",
             "parity": ("" if par.get("ok") is None else

@@ -20,6 +20,7 @@ from core.env import default_device, device_slug, environment, visible_gpus, whe
 from core.files import write_text_atomic
 from harness import derive, report
 from harness.context import Context
+from harness.contract import UTIL_S
 from harness.host_noise import host_cpu_probe
 from harness.executor import run_units
 from harness.measure import ordered
@@ -59,6 +60,8 @@ def run_stages(config: LadderConfig) -> int:
         raise Refusal("--device cuda: no NVIDIA GPU visible (NVML found none); valid here: cpu")
     suffix = ("-sweep" if config.command == "sweep" else "") + ("-train" if config.task == "train" else "")
     config.out = (config.out or Path("runs") / f"{config.model}-{device}{suffix}").resolve()
+    config.protocol = dataclasses.replace(config.protocol, util_s=UTIL_S[device] if config.util_s is None
+                                          else config.util_s)
     cells = plan(config, device)
     if config.executor == "ray" and importlib.util.find_spec("ray") is None:
         raise Refusal("--executor ray: Ray is not installed here: pip install -e '.[ray]'")
@@ -194,6 +197,8 @@ def write_reports(records: list[dict], meta: dict, config: LadderConfig, run_dir
         console.print(line, markup=False)
     if busy := contended_line(records):
         console.print(busy, markup=False, style="yellow")
+    for line in derive.clock_lines(records):
+        console.print(line, markup=False, style="yellow")
     if report.ray_line(records):
         console.print(report.ray_line(records), markup=False)
     if meta["environment"].get("host_cpu"):

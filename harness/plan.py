@@ -38,6 +38,7 @@ class LadderConfig:
     retune: bool = False
     isolation_check: str = "warn"
     protocol: Protocol = field(default_factory=Protocol)
+    util_s: float | None = None  # the protocol's util pass; None: the device's (harness/contract.py UTIL_S)
     jobs: int = os.cpu_count() or 1
     host_probe: bool = False
     out: Path | None = None

@@ -18,6 +18,7 @@ from core.placement import torch_dtype
 from core.stats import summarize
 from harness import census
 from harness.contention import describe
+from harness.contract import SUSTAIN_WINDOW_S
 from harness.context import Context
 from harness.rundir import cell_dir
 from tiers import get_tier
@@ -108,9 +109,18 @@ DEFINITIONS = {
               "report weights_bytes, gradient_bytes, optimizer_state_bytes and activations_and_workspace_bytes = "
               "allocator peak minus those and the input (an estimate: at the peak some gradients are not yet "
               "allocated)",
-    "utilisation": "NVML GPU utilisation and SM clock sampled every 20 ms during a separate pass of back-to-back "
-                   "forwards; energy_j = NVML board energy counter over that pass, img_per_joule = images per joule "
-                   "of board energy",
+    "utilisation": "NVML GPU utilisation, SM and memory clocks and board power sampled every 20 ms during the util "
+                   "pass (back-to-back calls, --util-s, after the timed phases); energy_j = the board energy counter "
+                   "over energy_window_s, energy_update_s = how often the counter moved, energy_rel_err = one "
+                   "update over the window; img_per_joule = images per second over average_power_w, or null with "
+                   "energy_withheld saying why (a window under 1 s, or an average above the board's power limit)",
+    "clocks": "NVML's SM and memory clocks and board power read every 0.1 s during the timed phases (warmup, "
+              "latency, pipelined, e2e; clocks and power only), median and min (power: max), with the GPU's maximum "
+              "clocks and power limit; slow = the SM clock's median below 95% of its maximum; held_by = the share "
+              "of readings in which each of NVML's reasons held the clock (power cap, thermal, ...)",
+    "sustained": "a GPU cell at --sustain-batch or more under --sustain S: its util pass lasts S + 2 s and these "
+                 "figures are its last 2 s (window_s, starting after_s into the pass): throughput_img_s from the "
+                 "child's own marks, NVML's clocks, power and energy over the same seconds, img_per_joule",
     "task": "'infer': each timed call is one forward; 'train': one training step (forward with BatchNorm in "
             "training mode, cross-entropy against fixed labels, backward, SGD with momentum 0.9 and weight decay "
             "1e-4; bf16/fp16 = autocast over fp32 master weights, fp16 with a gradient scaler; core/train.py). "
@@ -245,11 +255,12 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     nvml = record.pop("nvml")
     record["memory"] = {**raw["memory"], **{k: nvml[k] for k in ("nvml_process_peak_bytes", "nvml_source")
                                             if k in nvml}, "rss_peak_bytes": raw["rss_peak_bytes"]}
-    record["utilisation"] = nvml.get("utilisation")
-    util = record["utilisation"] or {}
-    if util.get("energy_j") and raw["util"]["seconds"] > 0:
-        images_per_s = raw["util"]["iters"] * cell.batch / raw["util"]["seconds"]
-        util["img_per_joule"] = images_per_s * util["energy_window_s"] / util["energy_j"]
+    record["utilisation"] = util = nvml.get("utilisation")
+    if util and raw["util"]["seconds"] > 0:
+        util.update(per_joule(util, raw["util"]["iters"] * cell.batch / raw["util"]["seconds"]))
+    record["clocks"] = clocks_while_timed(nvml.get("timed_clocks"))
+    if ctx.protocol.sustains(cell):
+        record["sustained"] = sustained(nvml.get("sustained"), raw["util"], cell.batch)
     if not parity["ok"]:
         record.update(status="parity-fail", reason=f"parity failed: {parity.get('reason')}; timings withheld")
         return record
@@ -260,6 +271,55 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
         return record
     record.update(status=DONE, **timings(ctx, cell, raw))
     return record
+
+
+# A cell whose SM clock's median while timed is below this share of the GPU's maximum is flagged (report.py).
+SLOW_CLOCK_SHARE = 0.95
+# The shortest energy window whose img/J is recorded: NVML's counter moves every few tens of ms.
+MIN_ENERGY_WINDOW_S = 1.0
+
+
+def per_joule(window: dict, images_per_s: float) -> dict:
+    """img/J over an NVML energy `window` (harness/sampler.py energy) at `images_per_s`, or why it is withheld: a
+    window too short for the counter, or an average power above the board's limit (which a right reading cannot
+    give)."""
+    if not window.get("energy_j") or not window.get("average_power_w"):
+        return {"img_per_joule": None, "energy_withheld": "the energy counter was not read twice in the window"}
+    if window["energy_window_s"] < MIN_ENERGY_WINDOW_S:
+        return {"img_per_joule": None, "energy_withheld": f"a {window['energy_window_s']:.2f} s window, shorter "
+                f"than the {MIN_ENERGY_WINDOW_S:g} s the energy counter needs"}
+    limit = window.get("power_limit_w")
+    if limit and window["average_power_w"] > limit:
+        return {"img_per_joule": None, "energy_withheld": f"average power {window['average_power_w']:.0f} W over "
+                f"the window, above the board's {limit:.0f} W limit: the energy counter misread it"}
+    return {"img_per_joule": images_per_s / window["average_power_w"]}
+
+
+def clocks_while_timed(timed: dict | None) -> dict | None:
+    """The clocks and power NVML read during the timed phases, with the SM clock's share of the GPU's maximum and
+    whether it sat below SLOW_CLOCK_SHARE, and what held it there (NVML's reasons, the commonest first)."""
+    if not timed:
+        return None
+    out = dict(timed)
+    if timed.get("sm_clock_max_mhz"):
+        share = timed["sm_clock_mhz_median"] / timed["sm_clock_max_mhz"]
+        out.update(sm_share_of_max=share, slow=share < SLOW_CLOCK_SHARE)
+    held = timed.get("held_by") or {}
+    out["held_by_most"] = max(held, key=held.get) if held else None
+    return out
+
+
+def sustained(window: dict | None, util: dict, batch: int) -> dict:
+    """A sustained cell's figures: throughput over its util pass's last SUSTAIN_WINDOW_S (from the child's marks),
+    with NVML's clocks, power and energy over the same seconds (`window`), and its img/J (per_joule)."""
+    marks = util.get("marks") or []
+    if len(marks) < 2 or not window:
+        return {"error": "no marks from the child or no NVML samples in the window"}
+    end_t, end_n = marks[-1]
+    start_t, start_n = next((m for m in marks[:-1] if m[0] >= end_t - SUSTAIN_WINDOW_S), marks[-2])
+    images_per_s = (end_n - start_n) * batch / (end_t - start_t)
+    return {"throughput_img_s": images_per_s, "window_s": end_t - start_t, "after_s": start_t,
+            **window, **per_joule(window, images_per_s)}
 
 
 def census_of(ctx: Context, cell: Cell, raw: dict) -> dict:

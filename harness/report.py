@@ -14,7 +14,7 @@ from rich.text import Text
 
 from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
-from harness.derive import (CROSS_GPU, CROSS_RUN, PEAK_SPREAD, best_framework, eager_baseline, fastest_lines, fmt,
+from harness.derive import (CROSS_GPU, CROSS_RUN, PEAK_SPREAD, best_framework, clock_lines, eager_baseline, fastest_lines, fmt,
                             mixes_gpus, mixes_host_draws, rows, speedup, speedups)
 from harness.load import BadInput, load_records
 from harness.plots import write_plots
@@ -122,6 +122,7 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     lines += [f"- {line}" for line in fastest_lines(doc["results"])] + [""]
     if busy := contended_line(doc["results"]):
         lines += [f"**{busy}**", ""]
+    lines += [x for line in clock_lines(doc["results"]) for x in (line, "")]
     lines += pivot_markdown(doc["results"])
     table = rows(doc["results"])
     lines += ["## Every cell", ""] + markdown_table(drop_empty_columns(table))
@@ -152,7 +153,10 @@ def how_to_read(gpu: bool) -> str:
             "that error over eager's at the same dtype (bf16 for fp8); vs fw = speed-up over the fastest framework "
             "(not hand-written) cell of the same task, batch, res and dtype, in any layout, mode or option; recipe err = ||out-recipe||/||recipe|| "
             "against the rung's own recipe at its dtype; stage err = the same per stage, each stage of the rung fed the "
-            "recipe's input for it (first images), its worst stage (docs/notes/parity.md). Full definitions and raw "
+            "recipe's input for it (first images), its worst stage (docs/notes/parity.md); SM MHz and W = NVML's SM "
+            "clock and board power while the cell was timed (median; * = below 95% of the maximum clock); img/J = "
+            "over the util pass's seconds of back-to-back calls; sustained = the last 2 s after --sustain seconds of "
+            "load. Full definitions and raw "
             "samples are in the JSON.")
 
 
@@ -320,4 +324,6 @@ def rerender(inputs: list[Path], json_path: Path | None, md_path: Path | None, c
         console.print(line, markup=False, style="red", overflow="ellipsis", no_wrap=True)
     if busy := contended_line(records):
         console.print(busy, markup=False, style="yellow")
+    for line in clock_lines(records):
+        console.print(line, markup=False, style="yellow")
     write(doc, json_path, md_path, csv_path)

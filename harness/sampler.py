@@ -7,7 +7,7 @@ from typing import Any
 
 from core.env import gpu_handle
 from core.stats import median
-from harness.contract import TIMED_PHASES
+from harness.contract import SUSTAIN_WINDOW_S, TIMED_PHASES
 
 
 def device_memory_used(gpu: str | None = None) -> int | None:
@@ -16,10 +16,19 @@ def device_memory_used(gpu: str | None = None) -> int | None:
     return None if h is None else nv.nvmlDeviceGetMemoryInfo(h).used
 
 
+# In the timed phases the sampler reads the clocks and the power only (no process list, no memory query), at a tenth
+# of its period: what the GPU ran at while the samples were taken, at a cost the timing cannot see.
+TIMED_PERIOD_S = 0.1
+# NVML's clocks-event reasons that hold the SM clock below its maximum while the GPU works, by bit.
+HELD_BY = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
+           0x80: "power brake"}
+
+
 class Sampler(threading.Thread):
-    """Samples NVML every `period` s while the child lives, except in its timed phases: the child's own GPU memory
-    (per-process accounting), device memory in use, GPU utilisation, SM clock and board energy, tagged with the
-    child's cell and phase."""
+    """Samples NVML every `period` s while the child lives, tagged with the child's cell and phase: the child's
+    own GPU memory (per-process accounting), device memory in use, GPU utilisation and board energy outside the
+    timed phases; SM and memory clock, power and the reasons the clock is held, in every phase (TIMED_PERIOD_S in
+    the timed ones)."""
 
     def __init__(self, pid: int, gpu: str | None = None, period: float = 0.02) -> None:
         super().__init__(daemon=True)
@@ -28,33 +37,53 @@ class Sampler(threading.Thread):
         self.samples: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self.nv, self.handle = gpu_handle(gpu)
+        self.limits: dict[str, float] = {}
+        if self.handle is not None:
+            nv, h = self.nv, self.handle
+            try:
+                self.limits = {"sm_clock_max_mhz": nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM),
+                               "mem_clock_max_mhz": nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM),
+                               "power_limit_w": nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3}
+            except Exception:  # without them a cell's clocks are recorded, not judged
+                pass
 
     def run(self) -> None:
         if self.handle is None:
             return
         while not self.stop.is_set():
-            if self.phase in TIMED_PHASES:  # NVML calls enter the driver: keep them out of the timed passes
-                self.stop.wait(self.period)
-                continue
-            self.samples.append(self.sample())
-            self.stop.wait(self.period)
+            timed = self.phase in TIMED_PHASES
+            self.samples.append(self.clocks() if timed else self.sample())
+            self.stop.wait(TIMED_PERIOD_S if timed else self.period)
+
+    def clocks(self) -> dict[str, Any]:
+        nv, h = self.nv, self.handle
+        s: dict[str, Any] = {"cell": self.cell, "phase": self.phase, "t": time.perf_counter()}
+        try:
+            s["sm_mhz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
+            s["mem_mhz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)
+            s["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1e3
+            reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                nv.nvmlDeviceGetCurrentClocksThrottleReasons
+            s["reasons"] = reasons(h)
+        except Exception as e:  # a failing NVML query must not take the cell down
+            s["error"] = str(e)
+        return s
 
     def sample(self) -> dict[str, Any]:
         nv, h = self.nv, self.handle
-        s: dict[str, Any] = {"cell": self.cell, "phase": self.phase, "t": time.perf_counter()}
+        s = self.clocks()
         try:
             mine = [p.usedGpuMemory for p in nv.nvmlDeviceGetComputeRunningProcesses(h)
                     if p.pid == self.pid and p.usedGpuMemory is not None]
             s["proc_mem"] = max(mine) if mine else None
             s["dev_mem"] = nv.nvmlDeviceGetMemoryInfo(h).used
             s["util"] = nv.nvmlDeviceGetUtilizationRates(h).gpu
-            s["sm_mhz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
             s["energy_mj"] = nv.nvmlDeviceGetTotalEnergyConsumption(h)
-        except Exception as e:  # a failing NVML query must not take the cell down
+        except Exception as e:
             s["error"] = str(e)
         return s
 
-    def summary(self, baseline: int | None, cell: int, shared: bool) -> dict[str, Any]:
+    def summary(self, baseline: int | None, cell: int, shared: bool, sustained: bool = False) -> dict[str, Any]:
         mine = [s for s in self.samples if s["cell"] == cell]
         proc = [s["proc_mem"] for s in mine if s.get("proc_mem") is not None]
         dev = [s["dev_mem"] for s in mine if s.get("dev_mem") is not None]
@@ -69,25 +98,54 @@ class Sampler(threading.Thread):
             out["nvml_process_peak_bytes"] = max(dev) - baseline
             out["nvml_source"] = ("device memory used minus before the child started (NVML has no per-process "
                                   "figure here), peak over the cell's untimed phases, CUDA context included" + where)
+        timed = [s for s in mine if s["phase"] in TIMED_PHASES]
+        if clocks(timed):
+            out["timed_clocks"] = {**clocks(timed), **self.limits}
         util = [s for s in mine if s["phase"] == "util" and "util" in s]
         if util:
-            out["utilisation"] = utilisation(util)
+            out["utilisation"] = {**utilisation(util), **self.limits}
+            if sustained:  # the window's last seconds, after the load before them
+                last = [s for s in util if s["t"] >= util[-1]["t"] - SUSTAIN_WINDOW_S]
+                out["sustained"] = {**clocks(last), **energy(last), **self.limits}
         return out
 
 
+def clocks(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """SM and memory clock and board power over `samples`, and how often each reason held the clock."""
+    samples = [s for s in samples if "reasons" in s]
+    if not samples:
+        return {}
+    sm, mem, power = ([s[k] for s in samples] for k in ("sm_mhz", "mem_mhz", "power_w"))
+    held = {name: sum(bool(s["reasons"] & bit) for s in samples) / len(samples) for bit, name in HELD_BY.items()}
+    return {"sm_clock_mhz_median": median(sm), "sm_clock_mhz_min": min(sm), "mem_clock_mhz_median": median(mem),
+            "mem_clock_mhz_min": min(mem), "power_w_median": median(power), "power_w_max": max(power),
+            "held_by": {k: round(v, 3) for k, v in held.items() if v}, "clock_samples": len(samples)}
+
+
+def energy(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The board energy counter over `samples` (read at least twice): joules, the window, how often the counter
+    moved (its update period, which bounds the window's error: energy_rel_err, one update over the window) and the
+    average power it gives."""
+    read = [s for s in samples if "energy_mj" in s]
+    if len(read) < 2:
+        return {}
+    window = read[-1]["t"] - read[0]["t"]
+    joules = (read[-1]["energy_mj"] - read[0]["energy_mj"]) / 1e3
+    moves = [b["t"] for a, b in zip(read, read[1:]) if b["energy_mj"] != a["energy_mj"]]
+    update = (moves[-1] - moves[0]) / (len(moves) - 1) if len(moves) >= 2 else None
+    return {"energy_j": joules, "energy_window_s": window, "energy_update_s": update,
+            "energy_rel_err": update / window if update and window > 0 else None,
+            "average_power_w": joules / window if window > 0 else None}
+
+
 def utilisation(util: list[dict[str, Any]]) -> dict[str, Any]:
-    """The util phase's samples summarised; energy over the pass where the counter was read twice or more."""
-    clocks = [s["sm_mhz"] for s in util]
-    out = {
+    """The util phase's samples summarised: utilisation, clocks and power, and the energy over the pass."""
+    return {
         "gpu_util_pct_mean": sum(s["util"] for s in util) / len(util),
-        "sm_clock_mhz_median": median(clocks),
-        "sm_clock_mhz_min": min(clocks),
+        **clocks(util),
         "samples": len(util),
-        "what": "NVML GPU utilisation (share of time a kernel was running) and SM clock, sampled every "
-                "20 ms during the util phase (forwards back to back)",
+        "what": "NVML GPU utilisation (share of time a kernel was running), SM and memory clocks and board power, "
+                "sampled every 20 ms during the util phase (forwards back to back), and the board energy counter "
+                "over it",
+        **energy(util),
     }
-    energy = [s for s in util if "energy_mj" in s]
-    if len(energy) >= 2:
-        out["energy_j"] = (energy[-1]["energy_mj"] - energy[0]["energy_mj"]) / 1e3
-        out["energy_window_s"] = energy[-1]["t"] - energy[0]["t"]
-    return out

@@ -233,7 +233,7 @@ class ChildRun:
         # the previous cell)
         marks = ([("start", began[0])] if began else []) + self.phases.get(i, []) + [("", end)]
         record["phase_s"] = {ph: round(t1 - t0, 3) for (ph, t0), (_, t1) in zip(marks, marks[1:]) if ph != "done"}
-        record["nvml"] = self.sampler.summary(baseline, i, i > 0)
+        record["nvml"] = self.sampler.summary(baseline, i, i > 0, self.ctx.protocol.sustains(cell))
         record["contention"] = self.contention.get(i)
         return record
 

@@ -28,7 +28,7 @@ from core.parity import run_stages, stage_errors, unpack_stages
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.stats import median, median_ci_rel
 from harness import profile
-from harness.contract import CELL, ERROR, PHASE, cell_of, parse_argv
+from harness.contract import CELL, ERROR, PHASE, UTIL_MARK_S, cell_of, parse_argv
 from tiers import get_tier
 
 
@@ -259,15 +259,20 @@ def memory_pass(built: Built, example: torch.Tensor, gpu: bool, sync: Callable[[
 
 def util_pass(forward: Callable[[Any], Any], example: torch.Tensor, sync: Callable[[], None],
               seconds: float) -> dict[str, Any]:
-    """Calls back to back (a sync every 4) for `seconds`, while the parent samples NVML."""
-    iters = 0
+    """Calls back to back (a sync every 4) for `seconds`, while the parent samples NVML; `marks`: [seconds since the
+    pass began, calls done] about every UTIL_MARK_S, and at its end (a sustained cell's window is its last seconds)."""
+    iters, marks = 0, [[0.0, 0]]
     t = time.perf_counter()
-    while time.perf_counter() - t < seconds:
+    while (elapsed := time.perf_counter() - t) < seconds:
         for _ in range(4):
             forward(example)
         iters += 4
         sync()
-    return {"iters": iters, "seconds": time.perf_counter() - t}
+        if time.perf_counter() - t - marks[-1][0] >= UTIL_MARK_S:
+            marks.append([time.perf_counter() - t, iters])
+    if marks[-1][1] != iters:
+        marks.append([elapsed, iters])
+    return {"iters": iters, "seconds": elapsed, "marks": marks}
 
 
 def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: torch.Tensor,

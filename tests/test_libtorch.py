@@ -128,6 +128,9 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
         assert r["pipelined"]["iters"] == max(TINY.pipelined_iters, math.ceil(TINY.pipelined_s * 1e3 / median))
         assert all(v == [] for v in r["e2e"].values())  # skipped on the CPU by both
         assert r["warmup"]["iters"] == TINY.warmup_min  # --warmup-s elapsed during the first call
+        marks = r["util"]["marks"]  # a sustained cell's window is read from them (harness/record.py sustained)
+        assert marks[0] == [0, 0] and marks[-1][1] == r["util"]["iters"] > 0
+        assert marks[-1][0] == pytest.approx(r["util"]["seconds"], abs=1e-3)
 
 
 def test_census_pass_is_the_same_in_both_protocol_implementations(programs, files):

@@ -286,3 +286,62 @@ def test_option_ab_takes_two_values_the_rung_accepts():
     for bad in ("pairs=off,maybe", "pairs=off", "colour=red,blue"):
         with pytest.raises(SystemExit, match="two of the triton rung's values"):
             parse_option(bad)
+
+
+@pytest.mark.quick
+def test_energy_is_read_over_seconds_and_withheld_where_it_cannot_be_right():
+    """The energy window's update period and error from the counter's own steps; img/J from the average power, and
+    withheld (with its reason) for a window under a second or an average above the board's limit."""
+    from harness.record import per_joule
+    from harness.sampler import energy
+
+    samples = [{"t": i * 0.02, "energy_mj": 1000 * (i // 5)} for i in range(101)]  # 2 s; the counter moves every 0.1 s
+    window = {**energy(samples), "power_limit_w": 700.0}
+    assert window["energy_window_s"] == pytest.approx(2.0) and window["energy_update_s"] == pytest.approx(0.1)
+    assert window["energy_rel_err"] == pytest.approx(0.05) and window["average_power_w"] == pytest.approx(10.0)
+    assert per_joule(window, 1000.0) == {"img_per_joule": pytest.approx(100.0)}
+    over = per_joule({**window, "power_limit_w": 5.0}, 1000.0)
+    assert over["img_per_joule"] is None and "above the board's 5 W limit" in over["energy_withheld"]
+    short = per_joule({**energy(samples[:20]), "power_limit_w": 700.0}, 1000.0)
+    assert short["img_per_joule"] is None and "shorter than the 1 s" in short["energy_withheld"]
+
+
+@pytest.mark.quick
+def test_a_cell_timed_at_a_held_clock_is_flagged_with_the_reason_nvml_gave():
+    from harness.derive import clock_lines
+    from harness.record import clocks_while_timed
+    from harness.sampler import clocks
+
+    readings = [{"sm_mhz": 1620, "mem_mhz": 3201, "power_w": 699.0, "reasons": 0x4} for _ in range(8)]
+    readings += [{"sm_mhz": 1980, "mem_mhz": 3201, "power_w": 600.0, "reasons": 0} for _ in range(2)]
+    held = clocks_while_timed({**clocks(readings), "sm_clock_max_mhz": 1980})
+    assert held["slow"] and held["sm_clock_mhz_median"] == 1620 and held["held_by"] == {"power cap": 0.8}
+    assert held["held_by_most"] == "power cap" and held["power_w_max"] == 699.0
+    free = clocks_while_timed({**clocks(readings[-2:]), "sm_clock_max_mhz": 1980})
+    assert not free["slow"] and free["held_by_most"] is None
+    record = {"status": "ok", "label": "triton", "batch": 256, "dtype": "bf16", "clocks": held}
+    (line,) = clock_lines([record, {**record, "label": "eager", "clocks": free}])
+    assert "1 of 2 cells ran with the SM clock below 95% of its 1980 MHz maximum" in line
+    assert "triton b256 bf16 1620 (power cap)" in line
+
+
+@pytest.mark.quick
+def test_a_sustained_cell_is_its_last_seconds_after_the_load_and_only_big_gpu_cells_sustain():
+    from core.cell import Cell
+    from harness.contract import SUSTAIN_WINDOW_S, Protocol
+    from harness.record import sustained
+
+    # 12 s of marks, every 0.25 s: 400 calls/s for 10 s, then 300 (a clock that fell)
+    marks = [[t, 400 * t if t <= 10 else 4000 + 300 * (t - 10)] for t in (i / 4 for i in range(49))]
+    window = {"energy_j": 1200.0, "energy_window_s": 2.0, "average_power_w": 600.0, "power_limit_w": 700.0}
+    figures = sustained(window, {"marks": marks}, batch=2)
+    assert figures["window_s"] == pytest.approx(SUSTAIN_WINDOW_S) and figures["after_s"] == pytest.approx(10.0)
+    assert figures["throughput_img_s"] == pytest.approx(600.0) and figures["img_per_joule"] == pytest.approx(1.0)
+    assert "error" in sustained(None, {"marks": marks}, batch=2)
+
+    protocol = Protocol(sustain_s=10, sustain_batch=256)
+    util_s = lambda cell: float(dict(zip(*[iter(protocol.args(cell))] * 2))["--util-s"])  # noqa: E731
+    assert util_s(Cell(tier="eager", batch=256, device="cuda")) == 10 + SUSTAIN_WINDOW_S
+    small, cpu = Cell(tier="eager", batch=32, device="cuda"), Cell(tier="eager", batch=256, device="cpu")
+    assert util_s(small) == util_s(cpu) == protocol.util_s
+    assert "--sustain-s" not in protocol.args(Cell(tier="eager"))
