@@ -109,7 +109,7 @@ def timed(a: list[dict], b: list[dict], threshold: float) -> dict:
         floor, cls = noise_floor(a + b)
         basis, needed = f"floor {floor:.0%} {cls}", max(threshold, floor)
     return {**row, "ratio": ratio, "ci_low": low, "ci_high": high, "threshold": needed, "basis": basis,
-            "verdict": verdict(ratio, low, high, needed)}
+            "verdict": verdict(ratio, low, high, needed), "class": noise_floor(a + b)[1]}
 
 
 def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float,
@@ -154,6 +154,37 @@ def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float
 
 
 CONTENDED = "contended: not judged"
+
+# A run-level shift: the geometric mean of the judged cells' B/A within a noise class, with a percentile bootstrap
+# over the cells. A shift counts where the interval excludes 1 and the mean moves by more than the class's floor: a
+# change that moves every cell a little (a slower build, a slower library) stays under each cell's own floor. The
+# floors are set below the uniform 30% a run-level check must see and above the few percent by which two runs of
+# the same code move together (docs/notes/compare-noise-floor.md).
+RUN_SHIFT_FLOOR = {"gpu": 0.02, "host": 0.15, "cpu": 0.15}
+RUN_SHIFT_MIN_CELLS = 3
+
+
+def run_shifts(rows: list[dict], threshold: float, resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """Per noise class with RUN_SHIFT_MIN_CELLS judged cells or more: the geometric mean of their B/A, its 95%
+    interval bootstrapped over the cells, and the verdict (regression, improvement, within noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for cls in ("gpu", "host", "cpu"):
+        logs = np.log([r["ratio"] for r in rows if judged(r) and r.get("class") == cls])
+        if len(logs) < RUN_SHIFT_MIN_CELLS:
+            continue
+        means = logs[rng.integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
+        low, high = np.exp(np.percentile(means, [2.5, 97.5]))
+        ratio, needed = float(np.exp(logs.mean())), max(threshold, RUN_SHIFT_FLOOR[cls])
+        out.append({"class": cls, "cells": len(logs), "ratio": ratio, "ci_low": float(low), "ci_high": float(high),
+                    "threshold": needed, "verdict": verdict(ratio, float(low), float(high), needed)})
+    return out
+
+
+def shift_line(shift: dict) -> str:
+    return (f"run level, {shift['class']} cells ({shift['cells']}): B/A geometric mean {shift['ratio']:.3f} (95% CI "
+            f"{shift['ci_low']:.3f}-{shift['ci_high']:.3f} over the cells, floor {shift['threshold']:.0%}): "
+            f"{shift['verdict']}")
 
 
 def contended(records: list[dict]) -> bool:
@@ -215,12 +246,17 @@ def how_to_read(threshold: float) -> str:
             f"{NOISE_FLOOR['cpu']:.0%}; docs/notes/compare-noise-floor.md). "
             "Basis 'N+M runs': the runs' spread is in the interval. (host) marks host-bound cells. A cell measured "
             "beside another busy process in any run (contention.flagged) shows its medians and is not judged, "
-            "unless --include-contended (its basis then ends 'contended').")
+            "unless --include-contended (its basis then ends 'contended'). Run level: per class with "
+            f"{RUN_SHIFT_MIN_CELLS} judged cells or more, the geometric mean of their B/A with a bootstrap over the "
+            "cells; a shift counts where that interval excludes 1 and the mean moves by more than the class's "
+            f"floor (gpu {RUN_SHIFT_FLOOR['gpu']:.0%}, host {RUN_SHIFT_FLOOR['host']:.0%}, cpu "
+            f"{RUN_SHIFT_FLOOR['cpu']:.0%}) and the threshold.")
 
 
-def markdown(rows: list[dict], a: str, b: str, threshold: float) -> str:
+def markdown(rows: list[dict], shifts: list[dict], a: str, b: str, threshold: float) -> str:
     n = regressions(rows)
     return "\n".join([f"# Compare: B = {b} against A = {a}", "", how_to_read(threshold), "",
+                      *[f"- {shift_line(s)}" for s in shifts], *([""] if shifts else []),
                       *markdown_table([display(r) for r in rows]), "",
                       f"{n} regression{'s' if n != 1 else ''}.", ""])
 
@@ -256,8 +292,8 @@ NOTHING_JUDGED = 3  # the exit status when no cell could be judged: no verdict i
 
 
 def run(paths: list[Path], threshold: float, markdown_path: Path | None, include_contended: bool = False) -> int:
-    """`python -m harness compare A B` or `A1 A2 -- B1 B2`: the table, a summary line, the markdown if asked; 1 on a
-    regression, NOTHING_JUDGED when no cell was judged (the runs share none, or none was measured cleanly). Raises
+    """`python -m harness compare A B` or `A1 A2 -- B1 B2`: the table, each noise class's run-level shift, a summary
+    line, the markdown if asked; 1 on a regression of a cell or of a class, NOTHING_JUDGED when no cell was judged (the runs share none, or none was measured cleanly). Raises
     BadInput for files that are not results."""
     a_paths, b_paths = split_sides(paths)
     rows = compare(load_side(a_paths), load_side(b_paths), threshold, include_contended)
@@ -268,6 +304,11 @@ def run(paths: list[Path], threshold: float, markdown_path: Path | None, include
     console.print(rich_table(shown, title=escape(f"B/A: median latency, B = {b}, A = {a}")))
     for what in sorted(left_out):
         console.print(f"{sum(r['verdict'] == what for r in rows)} cells {what} (listed in --markdown)", markup=False)
+    shifts = run_shifts(rows, threshold)
+    for shift in shifts:
+        console.print(shift_line(shift), markup=False,
+                      style="red" if shift["verdict"] == "regression" else "green" if shift["verdict"] == "improvement"
+                      else None)
     n = regressions(rows)
     changed = sum(r["verdict"] == "improvement" for r in rows)
     floors = sum(r["basis"].startswith("floor") for r in rows)
@@ -279,8 +320,8 @@ def run(paths: list[Path], threshold: float, markdown_path: Path | None, include
                   markup=False)
     if markdown_path:
         markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(markdown_path, markdown(rows, a, b, threshold))
-    if n:
+        write_text_atomic(markdown_path, markdown(rows, shifts, a, b, threshold))
+    if n or any(s["verdict"] == "regression" for s in shifts):
         return 1
     if not any(judged(r) for r in rows):
         shared = sum(bool(r["a_runs"] and r["b_runs"]) for r in rows)

@@ -129,6 +129,17 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
     disjoint.write_text(json.dumps(other))
     apart = harness("compare", str(a), str(disjoint))
     assert apart.returncode == compare.NOTHING_JUDGED and "the runs share no cell" in apart.stdout
+    shifted = json.loads(a.read_text())  # every cell 30% slower: inside each CPU cell's floor, not the run's
+    for r in shifted["results"]:
+        if r["status"] == "ok":
+            r["latency_samples_ms"] = [v * 1.3 for v in r["latency_samples_ms"]]
+            r["latency_ms"]["median"] *= 1.3
+    (tmp_path / "shifted.json").write_text(json.dumps(shifted))
+    shift = harness("compare", str(a), str(tmp_path / "shifted.json"))
+    assert shift.returncode == 1, shift.stdout + shift.stderr
+    assert "0 regressions, 0 improvements, 4 within noise" in " ".join(shift.stdout.split())
+    assert "run level, cpu cells (4): B/A geometric mean 1.300" in shift.stdout and "regression" in shift.stdout
+    assert "run level, cpu cells (4): B/A geometric mean 1.000" in same.stdout
     for r in doc["results"]:
         if r["status"] == "ok":
             r["latency_samples_ms"] = [v * 2 for v in r["latency_samples_ms"]]
@@ -210,6 +221,8 @@ def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(s
     one = harness("compare", str(a), str(b), "--markdown", str(tmp_path / "one.md"))
     assert one.returncode == 0, one.stdout + one.stderr
     assert "0 regressions, 0 improvements" in " ".join(one.stdout.split())
+    (level,) = compare.run_shifts(compare.compare(compare.load_side([a]), compare.load_side([b]), 0.03), 0.03)
+    assert level["class"] == "cpu" and level["verdict"] == "within noise", level
     assert max(map(len, one.stdout.splitlines())) <= 80 and "\neager " in one.stdout and "…" not in one.stdout
     rows = compare.compare(compare.load_side([a]), compare.load_side([b]), 0.03)
     timed = [r for r in rows if r["basis"]]
@@ -333,3 +346,21 @@ def test_a_hand_written_cell_is_stated_against_the_best_framework_cell_of_its_dt
            "9.00 ms)" in line, line
     assert speedups(records, records[5])["best_framework"] == records[3]["key"]
     assert report.to_csv({"results": records}).splitlines()[0].endswith("speedup_vs_best_framework,best_framework")
+
+
+@pytest.mark.quick
+def test_a_run_level_shift_needs_its_cells_to_move_together_beyond_the_class_floor():
+    def rows(ratios, cls="cpu"):
+        return [{"verdict": "within noise", "ratio": x, "class": cls} for x in ratios]
+
+    (uniform,) = compare.run_shifts(rows([1.29, 1.31, 1.3, 1.3]), 0.03)
+    assert uniform["verdict"] == "regression" and uniform["ratio"] == pytest.approx(1.3, abs=1e-3)
+    (faster,) = compare.run_shifts(rows([0.7, 0.72, 0.69]), 0.03)
+    assert faster["verdict"] == "improvement"
+    (scattered,) = compare.run_shifts(rows([1.4, 0.7, 1.1, 0.9]), 0.03)
+    assert scattered["verdict"] == "within noise"
+    (small,) = compare.run_shifts(rows([1.10, 1.11, 1.09, 1.1]), 0.03)  # together, but under the cpu floor
+    assert small["verdict"] == "within noise"
+    (gpu,) = compare.run_shifts(rows([1.05, 1.06, 1.05], "gpu"), 0.03)
+    assert gpu["verdict"] == "regression"
+    assert compare.run_shifts(rows([1.3, 1.3]), 0.03) == []  # too few cells to speak for the run
