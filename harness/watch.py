@@ -274,4 +274,6 @@ class ChildRun:
                 self.on_record({**record, "status": status, "reason": reason, "last_phase": phase,
                                 "stderr_tail": ended.stderr_tail})
             return recorded + 1
+        if ended.interrupted:  # every cell it reached had its result (one stopped in its hot start included)
+            raise KeyboardInterrupt
         return recorded

@@ -324,6 +324,10 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
     phase("after")  # rung facts that need the measured state (guard cost); outside every timing
     result["build_stats"] = {**built.stats, **tier.after(built, example, cell)}
     if kv.get("hot-start") == "1":
+        # The result first, whole: a hot start can take minutes (compile's max-autotune tunes the new shape again),
+        # and a cell stopped there keeps its measurement; the file is written again with the hot start.
+        write_text_atomic(Path(kv["result"]), json.dumps({**result, "rss_peak_bytes": peak_rss_bytes(),
+                                                          "hot_start": {"error": "stopped during the hot start"}}))
         phase("hot")
         result["hot_start"] = tier.hot_start(built, example, cell)
 

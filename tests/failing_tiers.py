@@ -1,6 +1,6 @@
 """Rungs that fail on purpose, loaded through LADDER_EXTRA_TIERS by the isolation tests: a real segfault, a
-Python exception, a hang past the timeout, a rung that computes a different function, and an error that looks
-like rich markup."""
+Python exception, a hang past the timeout, a rung that computes a different function, one that hangs in its hot
+start, and an error that looks like rich markup."""
 import ctypes
 import time
 
@@ -45,7 +45,20 @@ class WrongFunction(PythonTier):
         return Built(forward=net)
 
 
-TIERS = [Segfault(), Raises(), Hangs(), WrongFunction()]
+class HangsInItsHotStart(PythonTier):
+    """Measures as eager does, then takes an hour over its hot start (as compile's max-autotune takes minutes)."""
+
+    name = "test-slow-hot-start"
+    batch_change = True
+
+    def build(self, model, example, cell, store):
+        return Built(forward=place_model(model, cell))
+
+    def hot_start(self, built, example, cell):
+        time.sleep(3600)
+
+
+TIERS = [Segfault(), Raises(), Hangs(), WrongFunction(), HangsInItsHotStart()]
 
 
 class MarkupReason(PythonTier):

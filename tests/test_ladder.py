@@ -257,6 +257,24 @@ def test_sigterm_ends_the_ladder_like_ctrl_c_and_leaves_no_child(tmp_path):
     assert [r["tier"] for r in records(tmp_path)] == ["eager", "test-hangs"]  # ladder.json written
 
 
+def test_a_cell_stopped_in_its_hot_start_keeps_its_measurement(tmp_path):
+    """The child writes its result before the hot start (which can take minutes): a ladder stopped there records
+    the cell's timings, its hot start marked as stopped, and ends as interrupted."""
+    argv, env = ladder_command(tmp_path, "--tiers", "test-slow-hot-start", "--batch", "1", "--res", "32",
+                               extra_tiers=True)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not list(tmp_path.glob("cells/**/result.json")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    (rec,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert rec["status"] == "ok" and rec["latency_ms"]["median"] > 0, rec.get("reason")
+    assert rec["hot_start"] == {"error": "stopped during the hot start"}
+
+
 def test_sigterm_in_the_prepare_stage_ends_the_ladder_at_once(tmp_path):
     """SIGTERM while the prepare stage builds and warms caches: the ladder ends within seconds, not when its
     jobs would have ended, and leaves no child."""

@@ -201,9 +201,9 @@ def test_noise_floor_by_class_and_host_share():
 
 @pytest.fixture(scope="module")
 def sweep_again(tmp_path_factory):
-    """`sweep`'s eager cells, run again: the same code on the same machine."""
+    """`sweep`'s eager and ONNX Runtime cells, run again: the same code on the same machine."""
     out = tmp_path_factory.mktemp("sweep-again")
-    proc = harness("sweep", "--device", "cpu", "--tiers", "eager", "--model", "resnet18",
+    proc = harness("sweep", "--device", "cpu", "--tiers", "eager,onnxruntime", "--model", "resnet18",
                    "--batch", "1,2", "--res", "32", "--out", str(out), *FAST, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -226,7 +226,7 @@ def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(s
     assert max(map(len, one.stdout.splitlines())) <= 80 and "\neager " in one.stdout and "…" not in one.stdout
     rows = compare.compare(compare.load_side([a]), compare.load_side([b]), 0.03)
     timed = [r for r in rows if r["basis"]]
-    assert all(r["verdict"] == "within noise" for r in timed) and len(timed) == 2
+    assert all(r["verdict"] == "within noise" for r in timed) and len(timed) == 4
     assert all(r["basis"] == f"floor {compare.NOISE_FLOOR['cpu']:.0%} cpu" for r in timed)
     eager = [r for r in compare.compare(compare.load_side([a, b]), compare.load_side([b, a]), 0.03)
              if r["rung"] == "eager"]
