@@ -155,26 +155,28 @@ def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float
 
 CONTENDED = "contended: not judged"
 
-# A run-level shift: the geometric mean of the judged cells' B/A within a noise class, with a percentile bootstrap
-# over the cells. A shift counts where the interval excludes 1 and the mean moves by more than the class's floor: a
-# change that moves every cell a little (a slower build, a slower library) stays under each cell's own floor. The
-# floors are set below the uniform 30% a run-level check must see and above the few percent by which two runs of
-# the same code move together (docs/notes/compare-noise-floor.md).
+# A run-level shift: the geometric mean of the judged cells' B/A within a noise class, with a Student-t interval
+# over the cells' log ratios (a class holds a handful of cells, for which a bootstrap's interval is too narrow: two
+# CPU runs of the same code, cells at 1.31, 1.02, 1.08 and 1.49, gave a bootstrap interval of 1.05-1.40). A shift
+# counts where the interval excludes 1 and the mean moves by more than the class's floor: a change that moves every
+# cell a little (a slower build, a slower library) stays under each cell's own floor, and cells that scatter, as
+# runs of the same code do, leave a wide interval (docs/notes/compare-noise-floor.md).
 RUN_SHIFT_FLOOR = {"gpu": 0.02, "host": 0.15, "cpu": 0.15}
 RUN_SHIFT_MIN_CELLS = 3
 
 
-def run_shifts(rows: list[dict], threshold: float, resamples: int = 2000, seed: int = 0) -> list[dict]:
+def run_shifts(rows: list[dict], threshold: float) -> list[dict]:
     """Per noise class with RUN_SHIFT_MIN_CELLS judged cells or more: the geometric mean of their B/A, its 95%
-    interval bootstrapped over the cells, and the verdict (regression, improvement, within noise)."""
-    rng = np.random.default_rng(seed)
+    Student-t interval over the cells, and the verdict (regression, improvement, within noise)."""
+    from scipy import stats  # only compare needs it
+
     out = []
     for cls in ("gpu", "host", "cpu"):
         logs = np.log([r["ratio"] for r in rows if judged(r) and r.get("class") == cls])
         if len(logs) < RUN_SHIFT_MIN_CELLS:
             continue
-        means = logs[rng.integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
-        low, high = np.exp(np.percentile(means, [2.5, 97.5]))
+        half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+        low, high = np.exp(logs.mean() - half), np.exp(logs.mean() + half)
         ratio, needed = float(np.exp(logs.mean())), max(threshold, RUN_SHIFT_FLOOR[cls])
         out.append({"class": cls, "cells": len(logs), "ratio": ratio, "ci_low": float(low), "ci_high": float(high),
                     "threshold": needed, "verdict": verdict(ratio, float(low), float(high), needed)})
@@ -183,7 +185,7 @@ def run_shifts(rows: list[dict], threshold: float, resamples: int = 2000, seed: 
 
 def shift_line(shift: dict) -> str:
     return (f"run level, {shift['class']} cells ({shift['cells']}): B/A geometric mean {shift['ratio']:.3f} (95% CI "
-            f"{shift['ci_low']:.3f}-{shift['ci_high']:.3f} over the cells, floor {shift['threshold']:.0%}): "
+            f"{shift['ci_low']:.3f}-{shift['ci_high']:.3f}, t over the cells, floor {shift['threshold']:.0%}): "
             f"{shift['verdict']}")
 
 
@@ -247,8 +249,8 @@ def how_to_read(threshold: float) -> str:
             "Basis 'N+M runs': the runs' spread is in the interval. (host) marks host-bound cells. A cell measured "
             "beside another busy process in any run (contention.flagged) shows its medians and is not judged, "
             "unless --include-contended (its basis then ends 'contended'). Run level: per class with "
-            f"{RUN_SHIFT_MIN_CELLS} judged cells or more, the geometric mean of their B/A with a bootstrap over the "
-            "cells; a shift counts where that interval excludes 1 and the mean moves by more than the class's "
+            f"{RUN_SHIFT_MIN_CELLS} judged cells or more, the geometric mean of their B/A with a Student-t interval "
+            "over the cells' log ratios; a shift counts where that interval excludes 1 and the mean moves by more than the class's "
             f"floor (gpu {RUN_SHIFT_FLOOR['gpu']:.0%}, host {RUN_SHIFT_FLOOR['host']:.0%}, cpu "
             f"{RUN_SHIFT_FLOOR['cpu']:.0%}) and the threshold.")
 
