@@ -231,9 +231,9 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
         cols.insert(cols.index("batch") + 1, "res")
     for c in cols:  # only the rung's name may wrap (at '(' of its options); a number or a word never breaks
         table.add_column(c, justify="left" if c in ("rung", "dtype", "layout", "parity", "bound", "start") else "right",
-                         no_wrap=c != "rung")
+                         no_wrap=c != "rung", overflow="fold")  # the rung's options wrap whole, never cut to "…"
     for r in shown:
-        row = by_id[id(r)]
+        row = {**by_id[id(r)], "rung": by_id[id(r)]["rung"].replace("(", " (", 1)}  # wraps before its options
         if r["status"] == "ok":  # compact: the parity verdict alone (its error is in the wide table and the JSON)
             table.add_row(*[Text(row[c].split()[0] if c == "parity" and not wide and row[c] else row[c])
                             for c in cols])

@@ -38,8 +38,8 @@ def test_final_table_fits_80_columns_with_whole_header_words(sweep):
     assert max(len(line) for line in stdout.splitlines()) <= 80
     final = stdout[stdout.index("resnet18 on cpu"):]
     header = next(line for line in final.splitlines() if line.startswith("rung"))
-    assert header.split() == ["rung", "batch", "dtype", "layout", "median", "ms", "img/s", "vs", "eager", "bound",
-                              "parity"]
+    assert header.split() == ["rung", "batch", "dtype", "layout", "median", "ms", "img/s", "vs", "eager", "vs", "fw",
+                              "bound", "parity"]
     assert "tensorrt 2 cells: unavailable: TensorRT needs an NVIDIA GPU" in final  # one line, not one per cell
     assert "batch 2 fp32 nchw res 32: fastest" in final
 
