@@ -73,6 +73,13 @@ def clock_lines(records: list[dict]) -> list[str]:
     return out
 
 
+MIXED_DTYPE = "§"  # marks a speed-up over a cell of another dtype (BASELINE_DTYPE: fp8 over bf16)
+
+
+def mixed(r: dict) -> str:
+    return MIXED_DTYPE if r["dtype"] in BASELINE_DTYPE else ""
+
+
 CROSS_RUN = "†"  # marks a speed-up whose two figures are two draws of the host's speed (mixes_host_draws)
 
 
@@ -131,9 +138,9 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "CV %": fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
             "img/s": fmt(r.get("throughput_img_s"), ",.0f") if speed else "",
             "pipelined img/s": fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
-            "vs eager": (fmt(vs_eager, ".2f") + "x" + (CROSS_RUN if mixes_host_draws(base, r) else "")
+            "vs eager": (fmt(vs_eager, ".2f") + "x" + mixed(r) + (CROSS_RUN if mixes_host_draws(base, r) else "")
                          + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
-            "vs fw": fmt(vs_framework, ".2f") + "x" if vs_framework else "",
+            "vs fw": fmt(vs_framework, ".2f") + "x" + mixed(r) if vs_framework else "",
             "host us/call": fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
             "bound": bound(r) or "",
             "TFLOP/s": fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
@@ -168,11 +175,11 @@ def fastest_lines(records: list[dict]) -> list[str]:
         best = min((r for r in ok if config(r) == key), key=lambda r: r["latency_ms"]["median"])
         lead = speedup(eager_baseline(records, best), best)
         framework = best_framework(records, best) if hand_written(best) else None
-        over = (f", {speedup(framework, best):.2f}x the best framework cell ({framework['label']} "
+        over = (f", {speedup(framework, best):.2f}x{mixed(best)} the best framework cell ({framework['label']} "
                 f"{framework['dtype']} {layout_name(framework['channels_last'])}, "
                 f"{framework['latency_ms']['median']:.2f} ms)" if framework else "")
         out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
                    f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
-                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x eager" if lead else "") + over
+                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x{mixed(best)} eager" if lead else "") + over
                    + (f"{CONTENDED_MARK}: measured beside other load" if contended(best) else ""))
     return out

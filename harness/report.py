@@ -14,8 +14,9 @@ from rich.text import Text
 
 from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
-from harness.derive import (CROSS_GPU, CROSS_RUN, PEAK_SPREAD, best_framework, clock_lines, eager_baseline, fastest_lines, fmt,
-                            mixes_gpus, mixes_host_draws, rows, speedup, speedups)
+from harness.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, PEAK_SPREAD, best_framework,
+                            clock_lines, eager_baseline, fastest_lines, fmt, mixes_gpus, mixes_host_draws, rows,
+                            speedup, speedups)
 from harness.load import BadInput, load_records
 from harness.plots import write_plots
 from harness.record import CONTENDED_MARK, bound, contended, contended_line, document, ranked
@@ -126,6 +127,10 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     lines += pivot_markdown(doc["results"])
     table = rows(doc["results"])
     lines += ["## Every cell", ""] + markdown_table(drop_empty_columns(table))
+    if any(MIXED_DTYPE in row["vs eager"] + row["vs fw"] for row in table):
+        over = ", ".join(sorted(set(BASELINE_DTYPE.values())))
+        lines += ["", f"{MIXED_DTYPE} a mixed comparison: this cell's dtype over a {over} cell (eager and the "
+                  "frameworks have no fp8: an fp8 cell is stated against them in its activations' type)."]
     if any(CROSS_RUN in row["vs eager"] for row in table):
         lines += ["", f"{CROSS_RUN} this rung and eager come from different runs and one of the two is host-bound: "
                   "the speed-up divides two draws of the host's speed. Compare such cells within one run."]

@@ -341,11 +341,14 @@ def test_a_hand_written_cell_is_stated_against_the_best_framework_cell_of_its_dt
     by_label = {(r["label"], r["dtype"]): row for r, row in zip(records, rows(records))}
     assert by_label[("triton", "bf16")]["vs fw"] == "1.50x" and by_label[("triton", "bf16")]["vs eager"] == "2.67x"
     assert by_label[("compile(max-autotune)", "bf16")]["vs fw"] == "1.00x"
+    assert by_label[("triton", "fp8")]["vs fw"] == "1.64x§" and by_label[("triton", "fp8")]["vs eager"] == "2.91x§"
     line = next(x for x in fastest_lines(records) if x.startswith("batch 256 bf16 nhwc"))
     assert "fastest triton 6.00 ms, 2.67x eager, 1.50x the best framework cell (compile(max-autotune) bf16 nchw, " \
            "9.00 ms)" in line, line
     assert speedups(records, records[5])["best_framework"] == records[3]["key"]
     assert report.to_csv({"results": records}).splitlines()[0].endswith("speedup_vs_best_framework,best_framework")
+    md = report.markdown({"results": records, "environment": {}, "generated": "now"})
+    assert "§ a mixed comparison: this cell's dtype over a bf16 cell" in md
 
 
 @pytest.mark.quick
