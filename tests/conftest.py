@@ -4,11 +4,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Triton runs on the CPU under its interpreter, which must be on before triton is first imported anywhere in the
-# test process: a test module that builds a torchvision model at import can import it (tests/test_triton_kernels.py).
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
+import torch  # does not import triton
+
+# Without a GPU, Triton runs on the CPU under its interpreter, which must be on before triton is first imported in
+# the test process (a module that builds a torchvision model at import can import it); on a GPU the kernels run.
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA GPU: skipped without one, with that reason (`pytest -m gpu` on a GPU runs
+    them all)."""
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu runs these on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 from core.paths import REPO  # noqa: E402  (after TRITON_INTERPRET)
 

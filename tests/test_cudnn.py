@@ -87,7 +87,7 @@ def test_training_contract_parses(binary, tmp_path, extra, error):
     assert lines[2].startswith("@@error") and error in lines[2], lines[2]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_backward_of_the_last_bottleneck_matches_eager(binary, tmp_path):
     """One strict-fp32 step from the random weights (not zero-initialised, so that every branch has a gradient):
     the update of each parameter of the last bottleneck (three convolutions' data and weight gradients, three
@@ -122,7 +122,7 @@ def test_backward_of_the_last_bottleneck_matches_eager(binary, tmp_path):
         assert (got - expected).norm() / expected.norm() < 1e-2, name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_training_on_data_takes_the_batches_given_and_matches_eager(binary, tmp_path):
     """train-to-accuracy's contract on the cudnn rung, strict fp32: each epoch's state and mean loss are eager's
     after the same batches at the same rates (tests/training_on_data.py). Its batches came in through a plain

@@ -134,7 +134,7 @@ def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
     assert "](plots/accuracy.png)" in (tmp_path / "accuracy.md").read_text()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_the_hand_written_cudnn_rung_learns_as_eager_does(tmp_path):
     """The seed paper's open question on its own terms: ResNet-50 trained by hand with cuDNN, from the same weights
     over the same batches and rates, converges to eager's test accuracy within 1.5 points (while it learns fast,

@@ -73,7 +73,7 @@ def test_dependent_launches_are_refused_on_the_cpu():
                         ("cuda", "fp8"): "on"}  # the GPU outside strict fp32, where they were measured slower
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_a_planned_forward_gives_the_bits_of_tritons_own_launches_on_each_input():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
