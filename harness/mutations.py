@@ -224,7 +224,6 @@ def markdown(rows: list[dict], config: MutationConfig) -> str:
              "training: the worst parameter tensor's gain).\n"]
     for task in ("infer", "train"):
         mine = [r for r in rows if r["task"] == task]
-        columns = list(dict.fromkeys(f"{r['rung']} {r['dtype']}" for r in mine))
         table = []
         for name in dict.fromkeys(r["mutant"] for r in mine):
             line = {"mutant": name}

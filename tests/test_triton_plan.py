@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from core.cell import Cell
 from tests.conftest import REPO

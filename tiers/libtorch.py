@@ -5,7 +5,6 @@ Both build against the installed torch's own CMake package, so they run the very
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
