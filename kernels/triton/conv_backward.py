@@ -1,0 +1,80 @@
+"""The two gradients of a convolution over NHWC tensors, for a training step written in Triton (issue 60). Each is
+a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.py).
+
+- **Data gradient**, dx = the transposed convolution of dy. For a stride-1 convolution it is the forward
+  convolution of dy with the weights flipped in space and their channel axes swapped, padded by KH-1-pad: the
+  forward kernel runs it. A strided convolution's dy is first spread onto the input's grid (each output pixel
+  where its window started, zeros between), after which the same holds; rows the forward's windows never reached
+  (when the stride does not divide the padded input) get zero gradient.
+- **Weight gradient**, dW[r, s, c, k] = sum over output pixels p of x[window(p) + (r, s), c] * dy[p, k]: for each
+  kernel tap (r, s), a GEMM [CIN x P] @ [P x COUT] whose reduction runs over the N*OH*OW output pixels.
+  conv2d_weight_grad_kernel gathers x's rows at the tap's offset as the forward gathers its windows (zeros in the
+  padding) and accumulates in fp32.
+
+First versions, correct before fast: fixed tiles, and the strided data gradient materialises the spread dy
+(4x its bytes at stride 2). tests/test_triton_backward.py holds both against PyTorch's autograd."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.conv import conv2d, pack_conv
+
+
+@triton.jit
+def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD,
+                              KW: tl.constexpr, PRECISION: tl.constexpr, BLOCK_C: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One [BLOCK_C x BLOCK_K] tile of one tap's dW (program axis 2: the tap r * KW + s), reduced over all P output
+    pixels. dW is stored [KH, KW, CIN, COUT], COUT fastest."""
+    tap = tl.program_id(2)
+    r, s = tap // KW, tap % KW
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_ok, k_ok = offs_c < CIN, offs_k < COUT
+    acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        p_ok = offs_p < P
+        n, pixel = offs_p // (OH * OW), offs_p % (OH * OW)
+        ih = (pixel // OW) * STRIDE + r - PAD  # the input pixel this tap of the output pixel's window reads
+        iw = (pixel % OW) * STRIDE + s - PAD
+        inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        rows = ((n * H + ih) * W + iw) * CIN
+        xt = tl.load(x_ptr + rows[None, :] + offs_c[:, None], mask=inside[None, :] & c_ok[:, None], other=0.0)
+        dyt = tl.load(dy_ptr + offs_p[:, None] * COUT + offs_k[None, :], mask=p_ok[:, None] & k_ok[None, :],
+                      other=0.0)
+        acc += tl.dot(xt, dyt, input_precision=PRECISION)
+    out = (tap * CIN + offs_c[:, None]) * COUT + offs_k[None, :]
+    tl.store(dw_ptr + out, acc, mask=c_ok[:, None] & k_ok[None, :])
+
+
+def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stride: int, pad: int,
+                       precision: str = "ieee") -> torch.Tensor:
+    """dW of a convolution, in torch's [COUT, CIN, KH, KW] layout and fp32: `x` its NHWC input, `dy` the NHWC
+    gradient of its output (both contiguous, one dtype)."""
+    n, h, w, cin = x.shape
+    _, oh, ow, cout = dy.shape
+    dw = torch.empty((kh, kw, cin, cout), device=x.device, dtype=torch.float32)
+    block_c, block_k, block_p = 32, 32, 32
+    grid = (triton.cdiv(cin, block_c), triton.cdiv(cout, block_k), kh * kw)
+    conv2d_weight_grad_kernel[grid](x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, kw, precision,
+                                    block_c, block_k, block_p)
+    return dw.permute(3, 2, 0, 1)
+
+
+def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, input_hw: tuple[int, int],
+                      precision: str = "ieee", tune: bool = True) -> torch.Tensor:
+    """dx of a convolution, NHWC in dy's dtype: `dy` the NHWC gradient of its output, `weight` its [COUT, CIN, KH,
+    KW] weights, `input_hw` its input's height and width."""
+    n, oh, ow, cout = dy.shape
+    kh, kw = weight.shape[2:]
+    h, w = input_hw
+    if stride > 1:  # onto the (padded) input's grid of window starts: the rest, the edge's included, stays zero
+        spread = dy.new_zeros((n, h + 2 * pad - kh + 1, w + 2 * pad - kw + 1, cout))
+        spread[:, ::stride, ::stride] = dy
+        dy = spread
+    flipped = weight.transpose(0, 1).flip(2, 3)
+    packed = pack_conv(flipped, stride=1, pad=kh - 1 - pad, dtype=dy.dtype, device=dy.device)
+    return conv2d(dy, packed, relu=False, precision=precision, tune=tune)

@@ -1,0 +1,38 @@
+"""The Triton convolution gradients (kernels/triton/conv_backward.py) against PyTorch's autograd, on odd shapes,
+under the interpreter on the CPU (the kernels themselves, real Triton)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+
+# (kernel, stride, padding, input channels, output channels, input size): every convolution kind of a ResNet (the
+# stem's 7x7/2 over 3 channels, 3x3/1 and 3x3/2, 1x1/1 and the downsample's 1x1/2) at sizes that leave edges:
+# channel counts off the 32-wide tiles, inputs the stride does not divide.
+CASES = [(7, 2, 3, 3, 20, 13), (3, 1, 1, 37, 19, 7), (3, 2, 1, 18, 33, 9), (1, 1, 0, 40, 24, 5), (1, 2, 0, 21, 35, 8)]
+
+
+def autograd(x, weight, stride, pad):
+    x, weight = x.double().requires_grad_(), weight.double().requires_grad_()
+    y = F.conv2d(x, weight, stride=stride, padding=pad)
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y.backward(dy)
+    return dy, x.grad, weight.grad
+
+
+@pytest.mark.parametrize("k,stride,pad,cin,cout,size", CASES)
+def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, size):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cin, size, size, generator=g)
+    weight = torch.randn(cout, cin, k, k, generator=g) / (cin * k * k) ** 0.5
+    dy, dx_ref, dw_ref = autograd(x, weight, stride, pad)
+
+    def nhwc(t):
+        return t.float().permute(0, 2, 3, 1).contiguous()
+
+    dw = conv2d_weight_grad(nhwc(x), nhwc(dy), k, k, stride, pad)
+    dx = conv2d_input_grad(nhwc(dy), weight, stride, pad, (size, size), tune=False).permute(0, 3, 1, 2)
+    for got, ref in ((dw, dw_ref), (dx, dx_ref)):
+        assert got.shape == ref.shape
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, err
