@@ -36,3 +36,28 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
         assert got.shape == ref.shape
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("n,size,channels", [(3, 5, 37), (2, 7, 64), (1, 2, 5)])
+def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
+    """Forward (the batch's moments, biased, and the affine map) and backward (dx, dgamma, dbeta) against
+    F.batch_norm in training mode, in fp64, on channel counts off the tiles and a batch of 4 values per channel."""
+    from kernels.triton import batch_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, channels, size, size, generator=g) * 3 + 2  # a mean the moments must not cancel
+    gamma, beta = torch.rand(channels, generator=g) + 0.5, torch.randn(channels, generator=g)
+    dy = torch.randn(x.shape, generator=g)
+    xd, gd, bd = (t.double().requires_grad_() for t in (x, gamma, beta))
+    ref = F.batch_norm(xd, None, None, gd, bd, training=True, eps=1e-5)
+    ref.backward(dy.double())
+
+    def nhwc(t):
+        return t.permute(0, 2, 3, 1).contiguous()
+
+    y, mean, invstd = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5)
+    dx, dgamma, dbeta = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma)
+    for got, want in ((y.permute(0, 3, 1, 2), ref), (dx.permute(0, 3, 1, 2), xd.grad), (dgamma, gd.grad),
+                      (dbeta, bd.grad)):
+        err = ((got.double() - want.detach()).norm() / want.detach().norm()).item()
+        assert err < 1e-5, err

@@ -1,0 +1,118 @@
+"""Batch normalisation in training mode over NHWC tensors, forward and backward, for a training step written in
+Triton (issue 60). Per channel c, over the P = N*H*W values of the batch:
+
+  forward:  mean, var = the batch's moments (var biased, as the normalisation uses); xhat = (x - mean) * invstd,
+            invstd = 1 / sqrt(var + eps); y = gamma * xhat + beta
+  backward: dbeta = sum(dy); dgamma = sum(dy * xhat);
+            dx = gamma * invstd * (dy - dbeta / P - xhat * dgamma / P)
+
+Both directions are a per-channel reduction (a pass over the batch) and then a per-channel affine map of one or two
+tensors (another pass): `forward`'s y = a*x + b, `backward`'s dx = k1*dy + k2*x + k3 with the coefficients folded
+on the host. In NHWC a channel is a column, so a program owns a block of columns and walks the rows; the moments
+are taken in two passes (mean, then the centred squares) so that a large mean does not cancel the variance.
+
+First versions, correct before fast: the reductions run one program per column block (few programs for late
+layers), and nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
+tests/test_triton_backward.py holds both against PyTorch's autograd."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_P, BLOCK_C = 32, 32
+
+
+@triton.jit
+def _moments_kernel(x_ptr, mean_ptr, var_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        ok = (offs_p < P)[:, None] & c_ok[None, :]
+        total += tl.sum(tl.load(x_ptr + offs_p[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32), 0)
+    mean = total / P
+    squares = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        ok = (offs_p < P)[:, None] & c_ok[None, :]
+        x = tl.load(x_ptr + offs_p[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+        centred = tl.where(ok, x - mean[None, :], 0.0)
+        squares += tl.sum(centred * centred, 0)
+    tl.store(mean_ptr + offs_c, mean, mask=c_ok)
+    tl.store(var_ptr + offs_c, squares / P, mask=c_ok)
+
+
+@triton.jit
+def _grad_sums_kernel(dy_ptr, x_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xhat_ptr, P, C, BLOCK_P: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    mean = tl.load(mean_ptr + offs_c, mask=c_ok, other=0.0)
+    invstd = tl.load(invstd_ptr + offs_c, mask=c_ok, other=0.0)
+    sum_dy = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    sum_dy_xhat = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        ok = (offs_p < P)[:, None] & c_ok[None, :]
+        at = offs_p[:, None] * C + offs_c[None, :]
+        dy = tl.load(dy_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        xhat = (tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * invstd[None, :]
+        sum_dy += tl.sum(dy, 0)
+        sum_dy_xhat += tl.sum(tl.where(ok, dy * xhat, 0.0), 0)
+    tl.store(sum_dy_ptr + offs_c, sum_dy, mask=c_ok)
+    tl.store(sum_dy_xhat_ptr + offs_c, sum_dy_xhat, mask=c_ok)
+
+
+@triton.jit
+def _channel_affine_kernel(u_ptr, v_ptr, out_ptr, k1_ptr, k2_ptr, k3_ptr, P, C, HAS_V: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out = k1[c] * u + k2[c] * v + k3[c] (without v: k1[c] * u + k3[c]), computed in fp32, stored in out's type."""
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    ok = (offs_p < P)[:, None] & c_ok[None, :]
+    at = offs_p[:, None] * C + offs_c[None, :]
+    out = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32) * tl.load(k1_ptr + offs_c, mask=c_ok)[None, :]
+    if HAS_V:
+        out += tl.load(v_ptr + at, mask=ok, other=0.0).to(tl.float32) * tl.load(k2_ptr + offs_c, mask=c_ok)[None, :]
+    out += tl.load(k3_ptr + offs_c, mask=c_ok)[None, :]
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor | None = None,
+            k2: torch.Tensor | None = None) -> torch.Tensor:
+    c = u.shape[-1]
+    p = u.numel() // c
+    out = torch.empty_like(u)
+    grid = (triton.cdiv(p, BLOCK_P), triton.cdiv(c, BLOCK_C))
+    _channel_affine_kernel[grid](u, u if v is None else v, out, k1, k1 if k2 is None else k2, k3, p, c, v is not None,
+                                 BLOCK_P, BLOCK_C)
+    return out
+
+
+def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5):
+    """y (x's type), and the batch's mean and invstd (fp32, per channel) that backward needs: `x` NHWC contiguous,
+    `gamma` and `beta` fp32 [C]. The caller updates the running statistics from mean and var (unbiased there)."""
+    c = x.shape[-1]
+    p = x.numel() // c
+    mean = torch.empty(c, device=x.device, dtype=torch.float32)
+    var = torch.empty_like(mean)
+    _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, p, c, BLOCK_P, BLOCK_C)
+    invstd = torch.rsqrt(var + eps)
+    a = gamma * invstd
+    return _affine(x, a, beta - mean * a), mean, invstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor):
+    """dx (dy's type), dgamma and dbeta (fp32) of forward's output gradient `dy` (NHWC, x's shape)."""
+    c = x.shape[-1]
+    p = x.numel() // c
+    dbeta = torch.empty(c, device=x.device, dtype=torch.float32)
+    dgamma = torch.empty_like(dbeta)
+    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C),)](dy, x, mean, invstd, dbeta, dgamma, p, c, BLOCK_P, BLOCK_C)
+    k1 = gamma * invstd
+    k2 = -k1 * invstd * dgamma / p
+    k3 = k1 * (mean * invstd * dgamma - dbeta) / p
+    return _affine(dy, k1, k3, x, k2), dgamma, dbeta
