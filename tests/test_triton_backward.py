@@ -61,3 +61,30 @@ def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
                       (dbeta, bd.grad)):
         err = ((got.double() - want.detach()).norm() / want.detach().norm()).item()
         assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("size,channels", [(9, 37), (8, 5), (13, 3)])
+def test_the_pools_backward_is_autograds_and_ties_go_to_the_first_maximum(size, channels):
+    """The stem's max-pool (3x3/s2, pad 1) forward and backward, and the global average pool's backward, against
+    autograd; inputs rounded to few values so that windows hold ties, where PyTorch's first maximum takes it all."""
+    from kernels.triton import pool_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (2, channels, size, size), generator=g).float()  # many ties
+    xd = x.double().requires_grad_()
+    ref = F.max_pool2d(xd, 3, 2, 1)
+    dy = torch.randn(ref.shape, generator=g)
+    ref.backward(dy.double())
+
+    def nhwc(t):
+        return t.permute(0, 2, 3, 1).contiguous()
+
+    y, pos = pool_backward.max_pool_forward(nhwc(x))
+    dx = pool_backward.max_pool_backward(nhwc(dy), pos, (size, size))
+    assert torch.equal(y.permute(0, 3, 1, 2).double(), ref.detach())
+    assert torch.allclose(dx.permute(0, 3, 1, 2).double(), xd.grad, atol=1e-6)
+
+    pooled = xd.detach().clone().requires_grad_()
+    pooled.mean((2, 3)).backward(dy[:, :, 0, 0].double())
+    avg = pool_backward.global_avg_pool_backward(dy[:, :, 0, 0].contiguous(), (size, size))
+    assert torch.allclose(avg.permute(0, 3, 1, 2).double(), pooled.grad, atol=1e-7)
