@@ -88,3 +88,34 @@ def test_the_pools_backward_is_autograds_and_ties_go_to_the_first_maximum(size, 
     pooled.mean((2, 3)).backward(dy[:, :, 0, 0].double())
     avg = pool_backward.global_avg_pool_backward(dy[:, :, 0, 0].contiguous(), (size, size))
     assert torch.allclose(avg.permute(0, 3, 1, 2).double(), pooled.grad, atol=1e-7)
+
+
+def test_cross_entropy_and_its_gradient_are_autograds():
+    from kernels.triton.cross_entropy import cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=g) * 4
+    labels = torch.tensor([0, 999, 7, 7, 512])
+    zd = logits.double().requires_grad_()
+    ref = F.cross_entropy(zd, labels)
+    ref.backward()
+    loss, grad = cross_entropy(logits, labels)
+    assert abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    assert torch.allclose(grad.double(), zd.grad, atol=1e-7)
+
+
+def test_one_sgd_launch_updates_every_parameter_as_torch_optim_sgd_does():
+    """Three steps over two parameters held as views of one flat buffer, against torch.optim.SGD with momentum 0.9
+    and weight decay 1e-4 (the ladder's, core/train.py): the first step's buffer is the gradient itself."""
+    from kernels.triton.sgd import sgd_step
+
+    g = torch.Generator().manual_seed(0)
+    flat, grads, buf = torch.randn(1500, generator=g), torch.zeros(1500), torch.zeros(1500)
+    params = [torch.nn.Parameter(flat[:1000].clone().view(10, 100)), torch.nn.Parameter(flat[1000:].clone())]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    for step in range(3):
+        grads.copy_(torch.randn(1500, generator=g))
+        params[0].grad, params[1].grad = grads[:1000].view(10, 100).clone(), grads[1000:].clone()
+        optimizer.step()
+        sgd_step(flat, grads, buf, lr=0.1, momentum=0.9, weight_decay=1e-4, first=step == 0)
+    assert torch.allclose(flat, torch.cat([params[0].detach().flatten(), params[1].detach()]), atol=1e-6)

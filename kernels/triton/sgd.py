@@ -1,0 +1,34 @@
+"""SGD with momentum and coupled weight decay, as torch.optim.SGD(momentum, weight_decay) computes it, over every
+parameter at once (issue 60's training step): the parameters, their gradients and their momentum buffers each live
+in one flat fp32 buffer (the tensors are views of it), so one launch updates the whole network.
+
+  g = grad + weight_decay * p;  buf = g on the first step, else momentum * buf + g;  p = p - lr * buf
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, weight_decay, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    p = tl.load(p_ptr + offs, mask=ok)
+    g = tl.load(g_ptr + offs, mask=ok) + weight_decay * p
+    if FIRST:
+        buf = g
+    else:
+        buf = momentum * tl.load(buf_ptr + offs, mask=ok) + g
+    tl.store(buf_ptr + offs, buf, mask=ok)
+    tl.store(p_ptr + offs, p - lr * buf, mask=ok)
+
+
+def sgd_step(params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor, lr: float, momentum: float,
+             weight_decay: float, first: bool) -> None:
+    """Updates the flat fp32 `params` and `momentum_buffer` in place from the flat `grads`."""
+    n = params.numel()
+    _sgd_kernel[(triton.cdiv(n, BLOCK),)](params, grads, momentum_buffer, n, lr, momentum, weight_decay, first, BLOCK)
