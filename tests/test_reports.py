@@ -362,7 +362,7 @@ def test_a_run_level_shift_needs_its_cells_to_move_together_beyond_the_class_flo
     assert faster["verdict"] == "improvement"
     (scattered,) = compare.run_shifts(rows([1.4, 0.7, 1.1, 0.9]), 0.03)
     assert scattered["verdict"] == "within noise"
-    (small,) = compare.run_shifts(rows([1.10, 1.11, 1.09, 1.1]), 0.03)  # together, but under the cpu floor
+    (small,) = compare.run_shifts(rows([1.21, 1.2, 1.22, 1.2]), 0.03)  # together, as a host's draw moves a run
     assert small["verdict"] == "within noise"
     (gpu,) = compare.run_shifts(rows([1.05, 1.06, 1.05], "gpu"), 0.03)
     assert gpu["verdict"] == "regression"
