@@ -119,3 +119,30 @@ def test_one_sgd_launch_updates_every_parameter_as_torch_optim_sgd_does():
         optimizer.step()
         sgd_step(flat, grads, buf, lr=0.1, momentum=0.9, weight_decay=1e-4, first=step == 0)
     assert torch.allclose(flat, torch.cat([params[0].detach().flatten(), params[1].detach()]), atol=1e-6)
+
+
+def test_a_blocks_end_bn_add_relu_is_autograds_both_ways():
+    """y = relu(bn(x) + residual), a bottleneck's end: forward, and backward through the ReLU (its mask from y) to
+    x, gamma, beta and the residual, against autograd in fp64."""
+    from kernels.triton import batch_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 37, 6, 6, generator=g), torch.randn(2, 37, 6, 6, generator=g)
+    gamma, beta = torch.rand(37, generator=g) + 0.5, torch.randn(37, generator=g) * 0.5
+    dy = torch.randn(x.shape, generator=g)
+    xd, rd, gd, bd = (t.double().requires_grad_() for t in (x, residual, gamma, beta))
+    ref = torch.relu(F.batch_norm(xd, None, None, gd, bd, training=True, eps=1e-5) + rd)
+    ref.backward(dy.double())
+
+    def nhwc(t):
+        return t.permute(0, 2, 3, 1).contiguous()
+
+    def nchw(t):
+        return t.permute(0, 3, 1, 2)
+
+    y, mean, invstd = batch_norm.forward(nhwc(x), gamma, beta, residual=nhwc(residual), relu=True)
+    dx, dgamma, dbeta, dres = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma, y=y, residual=True)
+    assert (y >= 0).all() and (y == 0).any()  # the ReLU cut something
+    for got, want in ((nchw(y), ref), (nchw(dx), xd.grad), (dgamma, gd.grad), (dbeta, bd.grad), (nchw(dres), rd.grad)):
+        err = ((got.double() - want.detach()).norm() / want.detach().norm()).item()
+        assert err < 1e-5, err

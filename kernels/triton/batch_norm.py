@@ -7,8 +7,9 @@ Triton (issue 60). Per channel c, over the P = N*H*W values of the batch:
             dx = gamma * invstd * (dy - dbeta / P - xhat * dgamma / P)
 
 Both directions are a per-channel reduction (a pass over the batch) and then a per-channel affine map of one or two
-tensors (another pass): `forward`'s y = a*x + b, `backward`'s dx = k1*dy + k2*x + k3 with the coefficients folded
-on the host. In NHWC a channel is a column, so a program owns a block of columns and walks the rows; the moments
+tensors (another pass): `forward`'s y = a*x + b (with a block's residual added and its ReLU where asked),
+`backward`'s dx = k1*dy + k2*x + k3 with the coefficients folded on the host (dy through the ReLU first, its mask
+read from the forward's output). In NHWC a channel is a column, so a program owns a block of columns and walks the rows; the moments
 are taken in two passes (mean, then the centred squares) so that a large mean does not cancel the variance.
 
 First versions, correct before fast: the reductions run one program per column block (few programs for late
@@ -45,8 +46,8 @@ def _moments_kernel(x_ptr, mean_ptr, var_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _grad_sums_kernel(dy_ptr, x_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xhat_ptr, P, C, BLOCK_P: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xhat_ptr, P, C,
+                      RELU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     mean = tl.load(mean_ptr + offs_c, mask=c_ok, other=0.0)
@@ -58,6 +59,8 @@ def _grad_sums_kernel(dy_ptr, x_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xh
         ok = (offs_p < P)[:, None] & c_ok[None, :]
         at = offs_p[:, None] * C + offs_c[None, :]
         dy = tl.load(dy_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        if RELU:  # the gradient through the ReLU: zero where its output was not positive
+            dy = tl.where(tl.load(y_ptr + at, mask=ok, other=0.0) > 0, dy, 0.0)
         xhat = (tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * invstd[None, :]
         sum_dy += tl.sum(dy, 0)
         sum_dy_xhat += tl.sum(tl.where(ok, dy * xhat, 0.0), 0)
@@ -66,35 +69,49 @@ def _grad_sums_kernel(dy_ptr, x_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xh
 
 
 @triton.jit
-def _channel_affine_kernel(u_ptr, v_ptr, out_ptr, k1_ptr, k2_ptr, k3_ptr, P, C, HAS_V: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out = k1[c] * u + k2[c] * v + k3[c] (without v: k1[c] * u + k3[c]), computed in fp32, stored in out's type."""
+def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, k1_ptr, k2_ptr, k3_ptr, P, C, HAS_V: tl.constexpr,
+                           HAS_R: tl.constexpr, GATE: tl.constexpr, RELU: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """out = k1[c] * u + k2[c] * v + r + k3[c], in fp32, stored in out's type: v (scaled per channel) and r (a
+    residual, added as is) where given; u zeroed where `gate` is not positive (GATE: a ReLU's backward); the sum
+    through a ReLU (RELU)."""
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     ok = (offs_p < P)[:, None] & c_ok[None, :]
     at = offs_p[:, None] * C + offs_c[None, :]
-    out = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32) * tl.load(k1_ptr + offs_c, mask=c_ok)[None, :]
+    u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    if GATE:
+        u = tl.where(tl.load(gate_ptr + at, mask=ok, other=0.0) > 0, u, 0.0)
+    out = u * tl.load(k1_ptr + offs_c, mask=c_ok)[None, :]
     if HAS_V:
         out += tl.load(v_ptr + at, mask=ok, other=0.0).to(tl.float32) * tl.load(k2_ptr + offs_c, mask=c_ok)[None, :]
+    if HAS_R:
+        out += tl.load(r_ptr + at, mask=ok, other=0.0).to(tl.float32)
     out += tl.load(k3_ptr + offs_c, mask=c_ok)[None, :]
+    if RELU:
+        out = tl.maximum(out, 0.0)
     tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor | None = None,
-            k2: torch.Tensor | None = None) -> torch.Tensor:
+            k2: torch.Tensor | None = None, residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+            relu: bool = False) -> torch.Tensor:
     c = u.shape[-1]
     p = u.numel() // c
     out = torch.empty_like(u)
     grid = (triton.cdiv(p, BLOCK_P), triton.cdiv(c, BLOCK_C))
-    _channel_affine_kernel[grid](u, u if v is None else v, out, k1, k1 if k2 is None else k2, k3, p, c, v is not None,
-                                 BLOCK_P, BLOCK_C)
+    _channel_affine_kernel[grid](u, u if v is None else v, u if residual is None else residual,
+                                 u if gate is None else gate, out, k1, k1 if k2 is None else k2, k3, p, c,
+                                 v is not None, residual is not None, gate is not None, relu, BLOCK_P, BLOCK_C)
     return out
 
 
-def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5):
-    """y (x's type), and the batch's mean and invstd (fp32, per channel) that backward needs: `x` NHWC contiguous,
-    `gamma` and `beta` fp32 [C]. The caller updates the running statistics from mean and var (unbiased there)."""
+def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
+            residual: torch.Tensor | None = None, relu: bool = False):
+    """y = [relu](bn(x) [+ residual]) in x's type, and the batch's mean and invstd (fp32, per channel) that backward
+    needs: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. The caller updates the running statistics from mean and
+    var (unbiased there)."""
     c = x.shape[-1]
     p = x.numel() // c
     mean = torch.empty(c, device=x.device, dtype=torch.float32)
@@ -102,17 +119,25 @@ def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
     _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, p, c, BLOCK_P, BLOCK_C)
     invstd = torch.rsqrt(var + eps)
     a = gamma * invstd
-    return _affine(x, a, beta - mean * a), mean, invstd
+    return _affine(x, a, beta - mean * a, residual=residual, relu=relu), mean, invstd
 
 
-def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor):
-    """dx (dy's type), dgamma and dbeta (fp32) of forward's output gradient `dy` (NHWC, x's shape)."""
+def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
+             y: torch.Tensor | None = None, residual: bool = False):
+    """dx (dy's type), dgamma and dbeta (fp32) of forward's output gradient `dy` (NHWC, x's shape); with `y`, the
+    output of a forward with relu, the gradient goes through its ReLU first; with `residual`, also the residual's
+    gradient (dy through the ReLU), returned last."""
     c = x.shape[-1]
     p = x.numel() // c
     dbeta = torch.empty(c, device=x.device, dtype=torch.float32)
     dgamma = torch.empty_like(dbeta)
-    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C),)](dy, x, mean, invstd, dbeta, dgamma, p, c, BLOCK_P, BLOCK_C)
+    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C),)](dy, x, dy if y is None else y, mean, invstd, dbeta, dgamma, p, c,
+                                                  y is not None, BLOCK_P, BLOCK_C)
     k1 = gamma * invstd
     k2 = -k1 * invstd * dgamma / p
     k3 = k1 * (mean * invstd * dgamma - dbeta) / p
-    return _affine(dy, k1, k3, x, k2), dgamma, dbeta
+    dx = _affine(dy, k1, k3, x, k2, gate=y)
+    if not residual:
+        return dx, dgamma, dbeta
+    ones, zeros = torch.ones_like(gamma), torch.zeros_like(gamma)
+    return dx, dgamma, dbeta, (dy if y is None else _affine(dy, ones, zeros, gate=y))
