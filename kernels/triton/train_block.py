@@ -1,0 +1,74 @@
+"""A ResNet bottleneck's training forward and backward composed from the Triton kernels (issue 60): the step from
+which the network's is built, block by block. The forward keeps what the backward reads (each convolution's input,
+each batch norm's input, batch moments and output, whose sign is its ReLU's mask); the backward runs the block in
+reverse, the shortcut's gradient added to the main path's at the block's input.
+
+torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(conv3(relu(bn2(conv2(relu(bn1(
+conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.
+Convolutions without bias, as torchvision's. Not fused yet: the two gradients at the block's input are summed by
+an add of their own (the cuDNN rung does it in the data gradient's epilogue)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.triton import batch_norm
+from kernels.triton.conv import conv2d, pack_conv
+from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> torch.Tensor:
+    return conv2d(x, pack_conv(weight, stride=stride, pad=pad, dtype=x.dtype, device=x.device), relu=False, tune=tune)
+
+
+@dataclass
+class Saved:
+    """What one convolution + batch norm of the forward leaves for the backward."""
+    inp: torch.Tensor  # the convolution's input
+    conv_out: torch.Tensor  # the batch norm's input
+    mean: torch.Tensor
+    invstd: torch.Tensor
+    out: torch.Tensor  # the batch norm's output (after the ReLU, where it has one)
+
+
+def _conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
+    c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
+    y, mean, invstd = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
+                                         residual=residual, relu=relu)
+    return Saved(x, c, mean, invstd, y)
+
+
+def bottleneck_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:
+    """The block's output (NHWC, x's type) and what its backward needs; `block` a torchvision Bottleneck."""
+    down = _conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample else None
+    one = _conv_bn(x, block.conv1, block.bn1, tune)
+    two = _conv_bn(one.out, block.conv2, block.bn2, tune)
+    three = _conv_bn(two.out, block.conv3, block.bn3, tune, residual=down.out if down else x)
+    return three.out, [one, two, three] + ([down] if down else [])
+
+
+def _conv_bn_backward(dy, saved: Saved, conv, bn, tune, grads: dict, relu=True, residual=False):
+    """Through one batch norm (and its ReLU) and convolution: fills `grads` by parameter, returns the gradient at
+    the convolution's input (and the residual's, where asked)."""
+    out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
+                              y=saved.out if relu else None, residual=residual)
+    dc, grads[bn.weight], grads[bn.bias] = out[:3]
+    kh, kw = conv.kernel_size
+    stride, pad = conv.stride[0], conv.padding[0]
+    grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad)
+    dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune)
+    return (dx, out[3]) if residual else dx
+
+
+def bottleneck_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True):
+    """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter."""
+    grads: dict = {}
+    one, two, three = saved[:3]
+    d2, d_shortcut = _conv_bn_backward(dy, three, block.conv3, block.bn3, tune, grads, residual=True)
+    d1 = _conv_bn_backward(d2, two, block.conv2, block.bn2, tune, grads)
+    dx = _conv_bn_backward(d1, one, block.conv1, block.bn1, tune, grads)
+    if block.downsample:
+        d_shortcut = _conv_bn_backward(d_shortcut, saved[3], block.downsample[0], block.downsample[1], tune, grads,
+                                       relu=False)
+    return dx + d_shortcut, grads
