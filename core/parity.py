@@ -213,6 +213,6 @@ def verdict(out: torch.Tensor, ref: torch.Tensor, dtype: str, other: torch.Tenso
     if stages:
         parity = against_stages(parity, stages, dtype)
     elif recipe is not None and judges_stages(recipe[0], dtype):
-        reason = "; ".join(filter(None, (parity.get("reason"), "the rung ran no stage check (its build gives no stages)")))
-        parity = {**parity, "ok": False, "reason": reason}
+        missing = "the rung ran no stage check (its build gives no stages)"
+        parity = {**parity, "ok": False, "reason": "; ".join(filter(None, (parity.get("reason"), missing)))}
     return parity

@@ -252,8 +252,8 @@ def how_to_read(threshold: float) -> str:
             "beside another busy process in any run (contention.flagged) shows its medians and is not judged, "
             "unless --include-contended (its basis then ends 'contended'). Run level: per class with "
             f"{RUN_SHIFT_MIN_CELLS} judged cells or more, the geometric mean of their B/A with a Student-t interval "
-            "over the cells' log ratios; a shift counts where that interval excludes 1 and the mean moves by more than the class's "
-            f"floor (gpu {RUN_SHIFT_FLOOR['gpu']:.0%}, host {RUN_SHIFT_FLOOR['host']:.0%}, cpu "
+            "over the cells' log ratios; a shift counts where that interval excludes 1 and the mean moves by more "
+            f"than the class's floor (gpu {RUN_SHIFT_FLOOR['gpu']:.0%}, host {RUN_SHIFT_FLOOR['host']:.0%}, cpu "
             f"{RUN_SHIFT_FLOOR['cpu']:.0%}) and the threshold.")
 
 
@@ -297,8 +297,8 @@ NOTHING_JUDGED = 3  # the exit status when no cell could be judged: no verdict i
 
 def run(paths: list[Path], threshold: float, markdown_path: Path | None, include_contended: bool = False) -> int:
     """`python -m harness compare A B` or `A1 A2 -- B1 B2`: the table, each noise class's run-level shift, a summary
-    line, the markdown if asked; 1 on a regression of a cell or of a class, NOTHING_JUDGED when no cell was judged (the runs share none, or none was measured cleanly). Raises
-    BadInput for files that are not results."""
+    line, the markdown if asked; 1 on a regression of a cell or of a class, NOTHING_JUDGED when no cell was judged
+    (the runs share none, or none was measured cleanly). Raises BadInput for files that are not results."""
     a_paths, b_paths = split_sides(paths)
     rows = compare(load_side(a_paths), load_side(b_paths), threshold, include_contended)
     a, b = " ".join(map(str, a_paths)), " ".join(map(str, b_paths))

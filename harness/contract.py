@@ -41,6 +41,8 @@ UTIL_MARK_S = 0.25
 # tens of ms, so on the GPU the window is seconds long (harness/sampler.py energy states its error); the CPU has no
 # energy counter.
 UTIL_S = {"cuda": 2.0, "cpu": 0.3}
+# The Protocol's fields the parent keeps to itself (the child sees their effect, not them).
+PARENT_ONLY = ("timeout_s", "sustain_s", "sustain_batch")
 
 
 @dataclass
@@ -71,14 +73,10 @@ class Protocol:
         return self.sustain_s > 0 and cell.device == "cuda" and cell.batch >= self.sustain_batch
 
     def args(self, cell: Cell) -> list[str]:
-        out = []
-        for f in dataclasses.fields(self):
-            if f.name in ("timeout_s", "sustain_s", "sustain_batch"):
-                continue
-            value = self.sustain_s + SUSTAIN_WINDOW_S if f.name == "util_s" and self.sustains(cell) else getattr(
-                self, f.name)
-            out += [f"--{f.name.replace('_', '-')}", str(value)]
-        return out
+        """The child's protocol options for `cell`: a sustained cell's util pass is its load and then its window."""
+        values = {**dataclasses.asdict(self),
+                  "util_s": self.sustain_s + SUSTAIN_WINDOW_S if self.sustains(cell) else self.util_s}
+        return [a for k, v in values.items() if k not in PARENT_ONLY for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def contract_argv(program: list[str], cell: Cell, files: dict[str, Path], protocol: Protocol,

@@ -120,6 +120,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
         nv = mem.get("nvml_process_peak_bytes")
         alloc = mem.get("allocator_peak_bytes")
         par = r.get("parity") or {}
+        clk = (r.get("clocks") or {}) if ok else {}
         base = eager_baseline(records, r)
         vs_eager = speedup(base, r)
         vs_framework = speedup(best_framework(records, r), r)
@@ -146,9 +147,8 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "TFLOP/s": fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
             "first result s": fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
             "img/J": fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
-            "SM MHz": (fmt(clk.get("sm_clock_mhz_median"), ".0f") + (SLOW_MARK if clk.get("slow") else "")
-                       if ok and (clk := r.get("clocks") or {}) else ""),
-            "W": fmt(clk.get("power_w_median"), ".0f") if ok and clk else "",
+            "SM MHz": fmt(clk.get("sm_clock_mhz_median"), ".0f") + (SLOW_MARK if clk.get("slow") else ""),
+            "W": fmt(clk.get("power_w_median"), ".0f"),
             "sustained img/s": fmt((r.get("sustained") or {}).get("throughput_img_s"), ",.0f") if speed else "",
             "sustained img/J": fmt((r.get("sustained") or {}).get("img_per_joule"), ".1f") if speed else "",
             "GPU MiB (NVML)": fmt(nv / 2**20, ".0f") if nv else "",
@@ -180,6 +180,7 @@ def fastest_lines(records: list[dict]) -> list[str]:
                 f"{framework['latency_ms']['median']:.2f} ms)" if framework else "")
         out.append(f"{'training, ' if key[0] == 'train' else ''}batch {key[1]} {key[2]} "
                    f"{layout_name(key[3])} res {key[4]}: fastest {best['label']} "
-                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x{mixed(best)} eager" if lead else "") + over
+                   f"{best['latency_ms']['median']:.2f} ms" + (f", {lead:.2f}x{mixed(best)} eager" if lead else "")
+                   + over
                    + (f"{CONTENDED_MARK}: measured beside other load" if contended(best) else ""))
     return out

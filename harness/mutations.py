@@ -86,14 +86,14 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                                                      stage_refs), stage_refs)
                 parity = verdict(out, ref, dtype, other, eager, recipe_ref, stages)
                 band = verdict(out, ref, dtype, other)  # the checks against fp32 alone, as before recipes
-                recipe_figures, stages = parity.get("recipe") or {}, parity.get("stages") or {}
+                recipe_figures, stage_figures = parity.get("recipe") or {}, parity.get("stages") or {}
                 row = {"task": "infer", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
                        "band_ok": band["ok"], "rel_err": parity.get("rel_err"),
                        "recipe_rel_err": recipe_figures.get("norm_rel_err"),
                        "recipe_max_rel_err": recipe_figures.get("rel_err"),
                        "ratio_to_eager": parity.get("ratio_to_eager"), "reason": parity.get("reason"),
-                       "stage_rel_err": stages.get("norm_rel_err"), "worst_stage": stages.get("worst"),
-                       "stage_judged": stages.get("ok") is not None,
+                       "stage_rel_err": stage_figures.get("norm_rel_err"), "worst_stage": stage_figures.get("worst"),
+                       "stage_judged": stage_figures.get("ok") is not None,
                        "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
                 rows.append(row)
                 on_row(row)

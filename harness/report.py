@@ -154,15 +154,15 @@ def how_to_read(gpu: bool) -> str:
                       if gpu else "; bound, TFLOP/s, img/J, GPU MiB and alloc MiB are GPU figures, left out on the CPU")
     return (f"How to read it: {timing}; img/s = batch / median; pipelined = no sync between forwards; host us/call "
             f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
-            "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; err/eager = "
-            "that error over eager's at the same dtype (bf16 for fp8); vs fw = speed-up over the fastest framework "
-            "(not hand-written) cell of the same task, batch, res and dtype, in any layout, mode or option; recipe err = ||out-recipe||/||recipe|| "
-            "against the rung's own recipe at its dtype; stage err = the same per stage, each stage of the rung fed the "
-            "recipe's input for it (first images), its worst stage (docs/notes/parity.md); SM MHz and W = NVML's SM "
-            "clock and board power while the cell was timed (median; * = below 95% of the maximum clock); img/J = "
-            "over the util pass's seconds of back-to-back calls; sustained = the last 2 s after --sustain seconds of "
-            "load. Full definitions and raw "
-            "samples are in the JSON.")
+            "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; "
+            "err/eager = that error over eager's at the same dtype (bf16 for fp8); vs fw = speed-up over the fastest "
+            "framework (not hand-written) cell of the same task, batch, res and dtype, in any layout, mode or option; "
+            "recipe err = ||out-recipe||/||recipe|| against the rung's own recipe at its dtype; stage err = the same "
+            "per stage, each stage of the rung fed the recipe's input for it (first images), its worst stage "
+            "(docs/notes/parity.md); SM MHz and W = NVML's SM clock and board power while the cell was timed (median; "
+            "* = below 95% of the maximum clock); img/J = over the util pass's seconds of back-to-back calls; "
+            "sustained = the last 2 s after --sustain seconds of load. Full definitions and raw samples are in the "
+            "JSON.")
 
 
 def _get(r: dict, path: str):

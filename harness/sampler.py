@@ -37,6 +37,9 @@ class Sampler(threading.Thread):
         self.samples: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self.nv, self.handle = gpu_handle(gpu)
+        # newer NVML bindings name it "clocks event reasons", older ones "throttle reasons"
+        self.reasons = getattr(self.nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            self.nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
         self.limits: dict[str, float] = {}
         if self.handle is not None:
             nv, h = self.nv, self.handle
@@ -62,9 +65,7 @@ class Sampler(threading.Thread):
             s["sm_mhz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
             s["mem_mhz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)
             s["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1e3
-            reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-                nv.nvmlDeviceGetCurrentClocksThrottleReasons
-            s["reasons"] = reasons(h)
+            s["reasons"] = self.reasons(h)
         except Exception as e:  # a failing NVML query must not take the cell down
             s["error"] = str(e)
         return s
@@ -98,9 +99,8 @@ class Sampler(threading.Thread):
             out["nvml_process_peak_bytes"] = max(dev) - baseline
             out["nvml_source"] = ("device memory used minus before the child started (NVML has no per-process "
                                   "figure here), peak over the cell's untimed phases, CUDA context included" + where)
-        timed = [s for s in mine if s["phase"] in TIMED_PHASES]
-        if clocks(timed):
-            out["timed_clocks"] = {**clocks(timed), **self.limits}
+        if timed := clocks([s for s in mine if s["phase"] in TIMED_PHASES]):
+            out["timed_clocks"] = {**timed, **self.limits}
         util = [s for s in mine if s["phase"] == "util" and "util" in s]
         if util:
             out["utilisation"] = {**utilisation(util), **self.limits}

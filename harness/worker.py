@@ -326,8 +326,8 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
     if kv.get("hot-start") == "1":
         # The result first, whole: a hot start can take minutes (compile's max-autotune tunes the new shape again),
         # and a cell stopped there keeps its measurement; the file is written again with the hot start.
-        write_text_atomic(Path(kv["result"]), json.dumps({**result, "rss_peak_bytes": peak_rss_bytes(),
-                                                          "hot_start": {"error": "stopped during the hot start"}}))
+        save_result(kv, {**result, "rss_peak_bytes": peak_rss_bytes(),
+                         "hot_start": {"error": "stopped during the hot start"}})
         phase("hot")
         result["hot_start"] = tier.hot_start(built, example, cell)
 
@@ -337,6 +337,10 @@ def peak_rss_bytes() -> int | None:
     ru_maxrss, which carries the ladder parent's peak across fork and exec. None where there is no /proc (absent,
     not approximate). cpp/common/ladder/protocol.h peak_rss_bytes does the same."""
     return proc_bytes("/proc/self/status", "VmHWM")
+
+
+def save_result(kv: dict[str, str], result: dict[str, Any]) -> None:
+    write_text_atomic(Path(kv["result"]), json.dumps(result))  # the parent reads a whole result or none
 
 
 def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
@@ -368,7 +372,7 @@ def run_one(argv: list[str]) -> bool:
         return False
     finally:
         gc.collect()
-    write_text_atomic(Path(kv["result"]), json.dumps(result))  # the parent reads a whole result or none
+    save_result(kv, result)
     return True
 
 

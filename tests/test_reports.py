@@ -330,7 +330,8 @@ def test_a_hand_written_cell_is_stated_against_the_best_framework_cell_of_its_dt
         return {"key": f"{label}-{dtype}-{channels_last}-{batch}", "tier": tier, "label": label, "task": "infer",
                 "model": "resnet50", "batch": batch, "res": 224, "dtype": dtype, "channels_last": channels_last,
                 "cuda_graph": False, "device": "cuda", "options": options or {}, "status": "ok",
-                "latency_ms": {"median": ms}, "host_overhead_us": {"median": 50.0}, "throughput_img_s": batch / ms * 1e3}
+                "latency_ms": {"median": ms}, "host_overhead_us": {"median": 50.0},
+                "throughput_img_s": batch / ms * 1e3}
 
     records = [rec("eager", 16.0), rec("eager", 20.0, channels_last=False), rec("compile", 11.0),
                rec("compile", 9.0, channels_last=False, options={"compile-mode": "max-autotune"}),

@@ -9,8 +9,8 @@ Triton (issue 60). Per channel c, over the P = N*H*W values of the batch:
 Both directions are a per-channel reduction (a pass over the batch) and then a per-channel affine map of one or two
 tensors (another pass): `forward`'s y = a*x + b (with a block's residual added and its ReLU where asked),
 `backward`'s dx = k1*dy + k2*x + k3 with the coefficients folded on the host (dy through the ReLU first, its mask
-read from the forward's output). In NHWC a channel is a column, so a program owns a block of columns and walks the rows; the moments
-are taken in two passes (mean, then the centred squares) so that a large mean does not cancel the variance.
+read from the forward's output). In NHWC a channel is a column, so a program owns a block of columns and walks the
+rows; the moments are taken in two passes (mean, then the centred squares) so that a large mean does not cancel the variance.
 
 First versions, correct before fast: the reductions run one program per column block (few programs for late
 layers), and nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).

@@ -16,11 +16,17 @@ BLOCK_P, BLOCK_C = 32, 32
 
 
 @triton.jit
+def _tile(P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile of pixels (axis 0) and channels (axis 1), and which of them exist."""
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return offs_p, offs_c, offs_p < P, offs_c < C
+
+
+@triton.jit
 def _max_pool_forward_kernel(x_ptr, y_ptr, pos_ptr, P, H, W, C, OH, OW, K: tl.constexpr, STRIDE: tl.constexpr,
                              PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixels (n, oh, ow)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_ok, c_ok = offs_p < P, offs_c < C
+    offs_p, offs_c, p_ok, c_ok = _tile(P, C, BLOCK_P, BLOCK_C)  # output pixels (n, oh, ow)
     n, oh, ow = offs_p // (OH * OW), (offs_p // OW) % OH, offs_p % OW
     best = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
     where = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.int32)
@@ -41,9 +47,7 @@ def _max_pool_forward_kernel(x_ptr, y_ptr, pos_ptr, P, H, W, C, OH, OW, K: tl.co
 @triton.jit
 def _max_pool_backward_kernel(dy_ptr, pos_ptr, dx_ptr, P, H, W, C, OH, OW, K: tl.constexpr, STRIDE: tl.constexpr,
                               PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # input pixels (n, ih, iw)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_ok, c_ok = offs_p < P, offs_c < C
+    offs_p, offs_c, p_ok, c_ok = _tile(P, C, BLOCK_P, BLOCK_C)  # input pixels (n, ih, iw)
     n, ih, iw = offs_p // (H * W), (offs_p // W) % H, offs_p % W
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     for tap in tl.static_range(K * K):  # the window whose tap lands on this pixel, if there is one
@@ -82,9 +86,8 @@ def max_pool_backward(dy: torch.Tensor, pos: torch.Tensor, input_hw: tuple[int, 
 
 @triton.jit
 def _avg_pool_backward_kernel(dy_ptr, dx_ptr, P, HW, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # input pixels (n, h, w)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (offs_p < P)[:, None] & (offs_c < C)[None, :]
+    offs_p, offs_c, p_ok, c_ok = _tile(P, C, BLOCK_P, BLOCK_C)  # input pixels (n, h, w)
+    ok = p_ok[:, None] & c_ok[None, :]
     g = tl.load(dy_ptr + (offs_p // HW)[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(dx_ptr + offs_p[:, None] * C + offs_c[None, :], (g / HW).to(dx_ptr.dtype.element_ty), mask=ok)
 
