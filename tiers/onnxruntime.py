@@ -162,6 +162,7 @@ class OnnxRuntime(PythonTier):
         stats = {**facts, "providers": session.get_providers(), "ort_version": ort.__version__,
                  "fixed_batch": cell.batch if cell.cuda_graph else None}
         if cell.device == "cpu":
+            stats["intra_op_threads"] = torch.get_num_threads()
             return Built(forward=forward, stats=stats, stream_description="host (CPU execution provider)",
                          uses_torch_allocator=False, profiled=profiled)
         return Built(forward=forward, stream=stream, uses_torch_allocator=False, captured=cell.cuda_graph,
@@ -175,11 +176,15 @@ class OnnxRuntime(PythonTier):
 def session_options(path: Path, cell) -> "ort.SessionOptions":
     """Full graph optimisation; for a CUDA-graph cell, the batch axis fixed to the cell's. The CUDA EP captures a
     graph only if it runs every node, and with the batch free the shape arithmetic before the classifier's Reshape
-    (Shape, Gather, Range...) is placed on the CPU; with the batch fixed, it folds into constants."""
+    (Shape, Gather, Range...) is placed on the CPU; with the batch fixed, it folds into constants. On the CPU, as
+    many compute threads as torch's rungs use (OMP_NUM_THREADS where set): ORT's own pool ignores that variable
+    and takes every core, so a one-thread run still timed ORT on two, slowed whenever anything took the second."""
     import onnxruntime as ort  # optional: availability() says why it is missing
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if cell.device == "cpu":
+        so.intra_op_num_threads = torch.get_num_threads()
     if cell.cuda_graph:
         so.add_free_dimension_override_by_name(batch_dim(path), cell.batch)
     return so
