@@ -101,18 +101,17 @@ class PrepareStage:
                                                  "time_to_first_result_s": sum(cold.values()), **cold,
                                                  "concurrent_jobs": beside}}
 
-    def reference(self, batch: int, res: int, task: str, seed: int = 0,
-                  recipe: tuple[str, str, str] | None = None) -> None:
-        what = f"{recipe[0]} {recipe[1]} recipe" if recipe else f"eager {task} reference"
+    def references(self, keys: list[tuple]) -> None:
+        """The eager references and the recipes' outputs, in one process (RunDir.references)."""
         try:
-            self.counted(f"{what} b{batch} r{res}{f' (input {seed})' if seed else ''}",
-                         lambda: self.ctx.run.reference(batch, res, task, seed, recipe))
+            self.counted(f"{len(keys)} reference{'s' if len(keys) > 1 else ''}",
+                         lambda: self.ctx.run.references(keys))
         except ReferenceFailed:
             pass  # remembered by the run directory and recorded for each of its cells
 
     def tasks(self, groups: dict[str, list[Cell]]) -> list[Callable[[], None]]:
         """Every job, longest first as they usually run (exports and AOT compiles, then compiling warm-ups, then
-        C++ builds, then the eager references), so that the slowest start first when there are more than jobs."""
+        C++ builds, then the eager references, all in one job), so that the slowest start first when there are more than jobs."""
         exports: list[Callable[[], None]] = []
         warms: list[Callable[[], None]] = []
         builds: list[Callable[[], None]] = []
@@ -135,9 +134,9 @@ class PrepareStage:
                 warms += [lambda cs=cs: self.warm(cs) for cs in by_dtype.values()]
         for batch, res, _, seed in configs:
             self.ctx.run.input(batch, res, seed)  # written once, here, not by the parallel jobs
-        references = [lambda b=b, r=r, t=t, s=s: self.reference(b, r, t, s) for b, r, t, s in sorted(configs)]
-        references += [lambda b=b, r=r, k=k: self.reference(b, r, "infer", recipe=k) for b, r, k in sorted(recipes)]
-        return exports + warms + builds + references
+        keys = [(b, r, t, s, None) for b, r, t, s in sorted(configs)]
+        keys += [(b, r, "infer", 0, k) for b, r, k in sorted(recipes)]
+        return exports + warms + builds + ([lambda: self.references(keys)] if keys else [])
 
 
 def prepare(ctx: Context, groups: dict[str, list[Cell]], jobs: int,

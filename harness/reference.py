@@ -4,6 +4,7 @@
           for `train` the loss of each parity step and the state after them (core/train.py);
 - `recipe`: a rung's recipe at its dtype (core/recipes.py), which cells below fp32 are also held to (and, where
             the cell judges_stages, its stages on the first images: core/parity.py);
+- `jobs`: a JSON list of `ref` and `recipe` argument lists, in one process (one start of torch for all);
 - `peak`: the GPU's measured dense matrix-multiply rate per dtype, the denominator of 'share of peak', and its
           measured memory bandwidth (a device-to-device copy), the other side of a layer's roofline."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from safetensors.torch import save_file
 
 from core import train
 from core.cell import Cell, Store
-from core.files import write_text_atomic
+from core.files import write_atomic, write_text_atomic
 from core.model import load_model, read_tensor
 from core.placement import set_math_mode, torch_dtype
 from core.parity import judges_stages, pack_stages
@@ -34,11 +35,11 @@ def reference(model_name: str, weights: str, input_path: str, output: str, devic
         cell = Cell(tier="eager", model=model_name, batch=x.shape[0], res=x.shape[-1], device=device, task=task)
         built = get_tier("eager").build_train(model.train(), x, cell, Store())
         losses = [built.forward(x) for _ in range(train.K_STEPS)]
-        save_file(train.output_tensors(losses, built.state()), output)
+        saved(train.output_tensors(losses, built.state()), output)
         return
     with torch.inference_mode():
         out = model(x)
-    save_file({"output": out.float().cpu().contiguous()}, output)
+    saved({"output": out.float().cpu().contiguous()}, output)
 
 
 def recipe(model_name: str, weights: str, input_path: str, output: str, device: str, name: str, dtype: str,
@@ -47,10 +48,21 @@ def recipe(model_name: str, weights: str, input_path: str, output: str, device: 
     x = read_tensor(input_path, "input").to(device)
     if judges_stages(name, dtype):  # its stages too, the last of them its logits (core/parity.py STAGE_IMAGES)
         stages = folded_recipe(name, model, x, dtype).stage_outputs(x)
-        save_file({"output": stages[-1][1].float().cpu().contiguous(), **pack_stages(stages)}, output)
+        saved({"output": stages[-1][1].float().cpu().contiguous(), **pack_stages(stages)}, output)
         return
     out = recipe_output(name, model, x, dtype, layout == "nhwc")
-    save_file({"output": out.float().cpu().contiguous()}, output)
+    saved({"output": out.float().cpu().contiguous()}, output)
+
+
+def saved(tensors: dict[str, torch.Tensor], output: str) -> None:
+    """Written whole or not at all: the runner takes a file that exists as made."""
+    write_atomic(Path(output), lambda tmp: save_file(tensors, str(tmp)))
+
+
+def jobs(listing: str) -> None:
+    """Each job of the listing in turn; the first that raises ends the process (the runner makes the rest alone)."""
+    for job, *args in json.loads(Path(listing).read_text()):
+        JOBS[job](*args)
 
 
 def measured_peak(output: str) -> None:
@@ -82,6 +94,8 @@ def measured_peak(output: str) -> None:
         "read + written per second"}))
 
 
+JOBS = {"ref": reference, "recipe": recipe, "jobs": jobs, "peak": measured_peak}
+
 if __name__ == "__main__":
     job, *args = sys.argv[1:]
-    {"ref": reference, "recipe": recipe, "peak": measured_peak}[job](*args)
+    JOBS[job](*args)

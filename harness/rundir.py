@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -125,22 +126,49 @@ class RunDir:
         key = (batch, res, task, seed, recipe)
         if key in self._failed_refs:
             raise ReferenceFailed(*self._failed_refs[key])
-        what = "training " if task == "train" else ""
-        mark = "_".join(("", *recipe)) if recipe else ""
-        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}{_seeded(seed)}{mark}_{self.device}.safetensors"
+        p, job = self._reference_job(*key)
         if not p.exists():
-            p.parent.mkdir(exist_ok=True)
-            job = ["recipe", *self._files(task, batch, res, seed, p), *recipe] if recipe else [
-                "ref", *self._files(task, batch, res, seed, p), task]
             proc = procs.run([sys.executable, "-m", "harness.reference", *job], cwd=REPO, env=procs.child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:], disk=self.path)
+                what = "training " if task == "train" else ""
                 name = f"{recipe[0]} {recipe[1]} recipe " if recipe else f"eager {what}"
                 self._failed_refs[key] = ("oom" if status == "oom" else "error",
                                           f"{name}reference (batch {batch}, res {res}) failed: {reason}")
                 raise ReferenceFailed(*self._failed_refs[key])
         return p
+
+    def references(self, keys: list[tuple]) -> None:
+        """The references of `keys` (reference()'s arguments, in order) not yet made, all in one process: each
+        child start imports torch and torchvision (about 5 s on a 2-core host). Any the shared process did not
+        write (it stops at the first that fails) is made alone by reference(), which says why it failed; raises
+        the first ReferenceFailed after trying every key."""
+        jobs = [job for p, job in (self._reference_job(*key) for key in keys) if not p.exists()]
+        if len(jobs) > 1:
+            (self.path / "refs").mkdir(exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path / "refs", suffix=".jobs.json") as listing:
+                listing.write(json.dumps(jobs))
+                listing.flush()
+                procs.run([sys.executable, "-m", "harness.reference", "jobs", listing.name], cwd=REPO,
+                          env=procs.child_env(), capture_output=True, text=True)  # what failed is retried alone
+        failed = None
+        for key in keys:
+            try:
+                self.reference(*key)
+            except ReferenceFailed as e:
+                failed = failed or e
+        if failed:
+            raise failed
+
+    def _reference_job(self, batch: int, res: int, task: str, seed: int,
+                       recipe: tuple[str, str, str] | None) -> tuple[Path, list[str]]:
+        """Where a reference is kept, and harness.reference's arguments that make it."""
+        mark = "_".join(("", *recipe)) if recipe else ""
+        p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}{_seeded(seed)}{mark}_{self.device}.safetensors"
+        p.parent.mkdir(exist_ok=True)
+        files = self._files(task, batch, res, seed, p)
+        return p, (["recipe", *files, *recipe] if recipe else ["ref", *files, task])
 
     def _files(self, task: str, batch: int, res: int, seed: int, out: Path) -> list[str]:
         return [self.model, str(self.weights_for(task)), str(self.input(batch, res, seed)), str(out), self.device]
