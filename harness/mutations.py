@@ -1,7 +1,8 @@
 """`python -m harness mutations`: the parity checks against plausible wrong networks (core/mutations.py). Each
 forward mutant is computed by a rung itself (its weights, its input, or its launches made wrong) at every dtype the
 rung runs, and judged by the ladder's own checks (core.parity.verdict against the references the prepare stage
-makes); each training mutant is eager's step with its backward made wrong, judged by core.train.compare. Every row
+makes); each training mutant is a rung's step (eager's, triton's) with its backward made wrong, judged by
+core.train.compare. Every row
 must fail, and the right network ("none") pass. Rows: mutations.json (a list), a table per task in mutations.md.
 
 In-process and one forward per row, so it takes the Python rungs (eager, triton); the C++ rungs are held to the
@@ -21,7 +22,7 @@ from core import train
 from core.cell import DTYPES, Built, Cell, Store
 from core.env import device_slug, environment
 from core.files import write_text_atomic
-from core.model import build_model, make_input, num_classes, training_start
+from core.model import build_model, make_input, training_start
 from core.mutations import FORWARD, RIGHT, TRAINING, Mutant, check_names, mutant_input, shift_window
 from core.parity import run_stages, stage_errors, verdict
 from core.placement import memory_format, set_math_mode, torch_dtype
@@ -155,38 +156,41 @@ def _break_launches(net: Any, mutant: Mutant) -> None:
 
 
 def training_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda r: None) -> list[dict]:
-    """One row per (dtype, mutant): eager's training step with the mutant's backward, against eager fp32 (NCHW,
-    strict), as the ladder's training cells are judged."""
+    """One row per (rung, dtype, mutant): the rung's training step (its build_train) with the mutant's backward,
+    against eager fp32 (NCHW, strict), as the ladder's training cells are judged. A mutant is a gradient hook on
+    the parameters, which autograd runs and the triton step runs as autograd does."""
     mutants = [RIGHT, *chosen(config, TRAINING)]
     start = training_start(build_model(config.model))
     initial = {k: v.detach().float().clone() for k, v in start.state_dict().items()}
     x = make_input(config.train_batch, config.train_res).to(config.device)
-    ref = _steps(start, x, "fp32", False, None, config)
+    ref = _steps(start, x, "eager", "fp32", False, None, config)
     rows = []
-    for dtype in config.train_dtypes:
-        for mutant in mutants:
-            out = _steps(start, x, dtype, True, mutant.change, config)
-            parity = train.compare(out, ref, initial, dtype)
-            row = {"task": "train", "mutant": mutant.name, "dtype": dtype, "rung": "eager", "ok": parity["ok"],
-                   "rel_err": parity.get("rel_err"), "worst_group": parity.get("worst_group"),
-                   "worst_group_gain": parity.get("worst_group_gain"), "reason": parity.get("reason"),
-                   "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
-            rows.append(row)
-            on_row(row)
+    for rung in config.rungs:
+        for dtype in config.train_dtypes:
+            for mutant in mutants:
+                out = _steps(start, x, rung, dtype, True, mutant.change, config)
+                parity = train.compare(out, ref, initial, dtype)
+                row = {"task": "train", "mutant": mutant.name, "dtype": dtype, "rung": rung, "ok": parity["ok"],
+                       "rel_err": parity.get("rel_err"), "worst_group": parity.get("worst_group"),
+                       "worst_group_gain": parity.get("worst_group_gain"), "reason": parity.get("reason"),
+                       "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
+                rows.append(row)
+                on_row(row)
     return rows
 
 
-def _steps(start, x, dtype: str, channels_last: bool, hook, config: MutationConfig) -> dict[str, torch.Tensor]:
+def _steps(start, x, rung: str, dtype: str, channels_last: bool, hook, config: MutationConfig
+           ) -> dict[str, torch.Tensor]:
     set_math_mode(dtype)
-    cell = Cell(tier="eager", model=config.model, batch=x.shape[0], res=x.shape[-1], dtype=dtype,
+    cell = Cell(tier=rung, model=config.model, batch=x.shape[0], res=x.shape[-1], dtype=dtype,
                 channels_last=channels_last, device=config.device, task="train")
     net = train.place_for_training(copy.deepcopy(start), cell)
     if hook:
         hook(net)
-    step = train.make_step(net, net, cell, num_classes(net))
     x = x.contiguous(memory_format=memory_format(channels_last))
-    losses = [step(x) for _ in range(train.K_STEPS)]
-    return train.output_tensors(losses, train.state_of(net))
+    built = get_tier(rung).build_train(net, x, cell, Store())
+    losses = [built.forward(x) for _ in range(train.K_STEPS)]
+    return train.output_tensors(losses, built.state())
 
 
 def run(config: MutationConfig, out_dir: Path | None) -> list[dict]:

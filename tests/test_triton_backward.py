@@ -55,7 +55,7 @@ def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
     def nhwc(t):
         return t.permute(0, 2, 3, 1).contiguous()
 
-    y, mean, invstd = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5)
+    y, mean, invstd, _ = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5)
     dx, dgamma, dbeta = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma)
     for got, want in ((y.permute(0, 3, 1, 2), ref), (dx.permute(0, 3, 1, 2), xd.grad), (dgamma, gd.grad),
                       (dbeta, bd.grad)):
@@ -117,7 +117,7 @@ def test_one_sgd_launch_updates_every_parameter_as_torch_optim_sgd_does():
         grads.copy_(torch.randn(1500, generator=g))
         params[0].grad, params[1].grad = grads[:1000].view(10, 100).clone(), grads[1000:].clone()
         optimizer.step()
-        sgd_step(flat, grads, buf, lr=0.1, momentum=0.9, weight_decay=1e-4, first=step == 0)
+        sgd_step(flat, grads, buf, lr=torch.tensor([0.1]), momentum=0.9, weight_decay=1e-4, first=step == 0)
     assert torch.allclose(flat, torch.cat([params[0].detach().flatten(), params[1].detach()]), atol=1e-6)
 
 
@@ -140,7 +140,7 @@ def test_a_blocks_end_bn_add_relu_is_autograds_both_ways():
     def nchw(t):
         return t.permute(0, 3, 1, 2)
 
-    y, mean, invstd = batch_norm.forward(nhwc(x), gamma, beta, residual=nhwc(residual), relu=True)
+    y, mean, invstd, _ = batch_norm.forward(nhwc(x), gamma, beta, residual=nhwc(residual), relu=True)
     dx, dgamma, dbeta, dres = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma, y=y, residual=True)
     assert (y >= 0).all() and (y == 0).any()  # the ReLU cut something
     for got, want in ((nchw(y), ref), (nchw(dx), xd.grad), (dgamma, gd.grad), (dbeta, bd.grad), (nchw(dres), rd.grad)):
@@ -148,21 +148,23 @@ def test_a_blocks_end_bn_add_relu_is_autograds_both_ways():
         assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("stride,inplanes", [(2, 20), (1, 32)])
-def test_a_bottlenecks_training_step_is_autograds(stride, inplanes):
-    """A torchvision Bottleneck in training mode (with a downsample, and without: the identity shortcut), forward
-    and backward through the Triton kernels, against autograd in fp64: the output, the input's gradient and every
-    parameter's."""
+@pytest.mark.parametrize("kind,stride,inplanes", [("bottleneck", 2, 20), ("bottleneck", 1, 32), ("basic", 2, 20),
+                                                  ("basic", 1, 32)])
+def test_a_blocks_training_step_is_autograds(kind, stride, inplanes):
+    """A torchvision Bottleneck or BasicBlock in training mode (with a downsample, and without: the identity
+    shortcut), forward and backward through the Triton kernels, against autograd in fp64: the output, the input's
+    gradient and every parameter's."""
     import copy
 
-    from torchvision.models.resnet import Bottleneck
+    from torchvision.models.resnet import BasicBlock, Bottleneck
 
-    from kernels.triton.train_block import bottleneck_backward, bottleneck_forward
+    from kernels.triton.train_block import block_backward, block_forward
 
     torch.manual_seed(0)
     down = (torch.nn.Sequential(torch.nn.Conv2d(inplanes, 32, 1, stride, bias=False), torch.nn.BatchNorm2d(32))
             if stride != 1 or inplanes != 32 else None)
-    block = Bottleneck(inplanes, 8, stride, down).train()
+    block = (Bottleneck(inplanes, 8, stride, down) if kind == "bottleneck" else BasicBlock(inplanes, 32, stride,
+                                                                                              down)).train()
     for m in block.modules():  # BN's own init (1, 0) would hide a swapped scale and shift
         if isinstance(m, torch.nn.BatchNorm2d):
             torch.nn.init.uniform_(m.weight, 0.5, 1.5)
@@ -176,11 +178,78 @@ def test_a_bottlenecks_training_step_is_autograds(stride, inplanes):
     def nhwc(t):
         return t.permute(0, 2, 3, 1).contiguous()
 
-    out, saved = bottleneck_forward(block, nhwc(x), tune=False)
-    dx, grads = bottleneck_backward(block, saved, nhwc(dy), tune=False)
+    out, saved = block_forward(block, nhwc(x), tune=False)
+    dx, grads = block_backward(block, saved, nhwc(dy), tune=False)
     pairs = [(out.permute(0, 3, 1, 2), ref), (dx.permute(0, 3, 1, 2), xd.grad)]
     pairs += [(grads[p], q.grad) for p, q in zip(block.parameters(), ref_block.parameters())]
     assert len(grads) == len(list(block.parameters()))
     for got, want in pairs:
         err = ((got.double() - want.detach()).norm() / want.detach().norm()).item()
         assert err < 1e-5, err
+
+
+def small_resnet(block_kind: str) -> torch.nn.Module:
+    """torchvision's ResNet with one block per stage and narrow stages (8, 16, 16, 32 channels; bottlenecks 4x
+    wider at their ends): every layer kind of ResNet-18/50 (stem, max-pool, identity and downsample blocks, the
+    average pool, the classifier) at a size the interpreter steps through in seconds."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+    block = BasicBlock if block_kind == "basic" else Bottleneck
+    torch.manual_seed(0)
+    model = ResNet(block, [1, 1, 1, 1], num_classes=10)
+    model.conv1, model.bn1, model.inplanes = torch.nn.Conv2d(3, 8, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(8), 8
+    for i, (planes, stride) in enumerate(((8, 1), (16, 2), (16, 2), (32, 2)), start=1):
+        setattr(model, f"layer{i}", model._make_layer(block, planes, 1, stride=stride))
+    model.fc = torch.nn.Linear(32 * block.expansion, 10)
+    for m in model.modules():  # away from BN's own init (1, 0), which would hide a swapped scale and shift
+        if isinstance(m, torch.nn.BatchNorm2d):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+            torch.nn.init.normal_(m.bias, 0, 0.5)
+    return model.train()
+
+
+def test_two_training_steps_are_eager_steps():
+    """The triton rung's training step (its build_train: kernels/triton/train_resnet.py), twice (the second with
+    momentum) from the same weights on the same batch, against core.train's eager step in fp64: each step's loss,
+    every parameter tensor's update and every running statistic within 4x of eager's own fp32 step's error (or
+    2e-5). Basic blocks: the bottleneck's composition is held to autograd block by block above, at a fifth of the
+    time. A training mutant (a gradient hook, core/mutations.py) reaches the step as it reaches autograd's."""
+    import copy
+
+    from core import train
+    from core.cell import Cell, Store
+    from core.mutations import TRAINING
+    from tiers import get_tier
+
+    model = small_resnet("basic")
+    initial = {k: v.clone() for k, v in train.state_of(model).items()}
+    ref, eager = copy.deepcopy(model).double(), copy.deepcopy(model)
+    x, labels = torch.randn(4, 3, 32, 32), torch.tensor([1, 7, 3, 0])
+    cell = Cell(tier="triton", model="resnet18", batch=4, res=32, device="cpu", task="train")
+    ref_step, eager_step = (train.make_step(m, m, cell, num_classes=10, lr=0.02) for m in (ref, eager))
+    rate = torch.tensor(0.02)  # a schedule's rate, as train-to-accuracy hands it over
+    step = get_tier("triton").build_train(model, x, cell, Store(), lr=rate)
+    for i in range(2):
+        want = ref_step(x.double(), labels).item()
+        assert abs(step.forward(x, labels).item() - want) <= max(4 * abs(eager_step(x, labels).item() - want),
+                                                                 1e-6 * want)
+        first = first if i else {k: v.clone() for k, v in step.state().items()}  # state(): the live tensors
+    ours, theirs, fp64 = step.state(), train.state_of(eager), train.state_of(ref)
+    assert ours.keys() == fp64.keys()
+
+    def err(state, name):  # parameters by their update, running statistics by their value
+        start = initial[name].double() if name.startswith("param.") else 0
+        want = fp64[name].double() - start
+        return ((state[name].double() - start - want).norm() / want.norm()).item()
+
+    worse = {name: (err(ours, name), err(theirs, name)) for name in fp64}
+    assert all(mine <= max(4 * eager32, 2e-5) for mine, eager32 in worse.values()), worse
+    assert step.stats["memory"]["saved_for_backward_bytes"] > 0
+
+    mutated = small_resnet("basic")
+    next(m for m in TRAINING if m.name == "weight-grads-x0.7").change(mutated)
+    wrong = get_tier("triton").build_train(mutated, x, cell, Store(), lr=rate)
+    wrong.forward(x, labels)
+    gains = {name: train._gain(value - initial[name], first[name] - initial[name])
+             for name, value in wrong.state().items() if name.startswith("param.")}
+    assert abs(gains["param.layer2.0.conv1.weight"] - 0.7) < 0.01 and abs(gains["param.bn1.weight"] - 1) < 1e-3

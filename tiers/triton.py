@@ -17,8 +17,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from core import train
 from core.cell import DTYPES, Built, Cell, Store, layout_name
 from core.layers import SCOPE, distinct_layers
+from core.model import num_classes
 from core.parity import TOLERANCES
 from core.recipes import calibration_amax, calibration_input
 from core.placement import memory_format, set_math_mode, torch_dtype
@@ -72,7 +74,10 @@ class TritonTier(PythonTier):
     name = "triton"
     dtypes = DTYPES  # fp8 too
     hand_written = True
-    cannot_train = 'the hand-written Triton kernels have a forward pass only (no backward yet)'
+    cannot_train = None  # the step: kernels/triton/train_resnet.py
+    train_dtypes = ("fp32", "bf16")  # bf16: activations, over fp32 master weights, as the other rungs' autocast
+    # options of the inference forward only: the training step launches each kernel through Triton's own path
+    inference_only = ("launch", "pdl", "pairs", "chain")
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
     cuda_graph = True
@@ -104,6 +109,8 @@ class TritonTier(PythonTier):
 
     def option_default(self, key: str, cell: Cell) -> str | None:
         gpu = cell.device == "cuda"
+        if cell.task == "train" and key in ("launch", "pdl"):
+            return self.options[key][0]
         if key == "launch":  # the interpreter (the CPU) compiles nothing to replay
             return "plan" if gpu else "jit"
         if key == "pdl":  # nor has it dependent launches; strict fp32 measured slower with them (batch 32: 9%)
@@ -125,6 +132,11 @@ class TritonTier(PythonTier):
                                "have"}
 
     def supports(self, cell: Cell) -> str | None:
+        if cell.task == "train":
+            if cell.dtype not in self.train_dtypes:
+                return f"the Triton training step runs {' and '.join(self.train_dtypes)}, not {cell.dtype}"
+            if given := [k for k in self.inference_only if cell.option(k, None) is not None]:
+                return f"{', '.join(given)}: options of the inference forward; the training step has none of them"
         if cell.device != "cuda":
             for (key, value), why in self.gpu_only.items():
                 if self.setting(cell, key) == value:
@@ -172,6 +184,31 @@ class TritonTier(PythonTier):
         }
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE),
                      stages=lambda: [(name, untuned(stage)) for name, stage in net.stages(torch_dtype(cell.dtype))])
+
+    def build_train(self, model, example, cell: Cell, store: Store, lr=None) -> Built:
+        """core/train.py's step in Triton kernels (kernels/triton/train_resnet.py): in fp32 strict, in bf16 with
+        bf16 activations over fp32 master weights."""
+        from kernels.triton import tuning  # Triton itself: imported only where it runs
+        from kernels.triton.train_resnet import TritonTrainStep  # as above
+
+        net = train.place_for_training(model, cell)
+        rate = torch.tensor([train.LEARNING_RATE if lr is None else float(lr)], device=cell.device)
+        step = TritonTrainStep(net, torch_dtype(cell.dtype), rate, train.MOMENTUM, train.WEIGHT_DECAY,
+                               tune=self.setting(cell, "autotune") == "on")
+        targets = train.labels(cell.batch + 1, num_classes(net), cell.device)
+
+        def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+            if torch.is_tensor(lr):  # a schedule's rate, set in place before each step (train-to-accuracy)
+                rate.copy_(lr.reshape(1), non_blocking=True)
+            loss = step(x, targets[: x.shape[0]] if y is None else y)
+            if step.steps == 1:  # what the forward saves is known from the first step on
+                built.stats["memory"] = step.memory()
+            return loss
+
+        built = Built(forward=forward, state=lambda: train.state_of(net), stats={
+            "autotune": "interpreter" if tuning.INTERPRET else self.setting(cell, "autotune"),
+            "interpreted": tuning.INTERPRET, "memory": step.memory()})
+        return built
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
               baselines: bool = True) -> list[dict]:

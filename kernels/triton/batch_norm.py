@@ -109,9 +109,9 @@ def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor
 
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
             residual: torch.Tensor | None = None, relu: bool = False):
-    """y = [relu](bn(x) [+ residual]) in x's type, and the batch's mean and invstd (fp32, per channel) that backward
-    needs: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. The caller updates the running statistics from mean and
-    var (unbiased there)."""
+    """y = [relu](bn(x) [+ residual]) in x's type, the batch's mean and invstd (fp32, per channel) that backward
+    needs, and its (biased) variance: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. The caller updates the
+    running statistics from mean and var (unbiased there)."""
     c = x.shape[-1]
     p = x.numel() // c
     mean = torch.empty(c, device=x.device, dtype=torch.float32)
@@ -119,7 +119,7 @@ def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
     _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, p, c, BLOCK_P, BLOCK_C)
     invstd = torch.rsqrt(var + eps)
     a = gamma * invstd
-    return _affine(x, a, beta - mean * a, residual=residual, relu=relu), mean, invstd
+    return _affine(x, a, beta - mean * a, residual=residual, relu=relu), mean, invstd, var
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
@@ -141,3 +141,18 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
         return dx, dgamma, dbeta
     ones, zeros = torch.ones_like(gamma), torch.zeros_like(gamma)
     return dx, dgamma, dbeta, (dy if y is None else _affine(dy, ones, zeros, gate=y))
+
+
+def channel_sum(x: torch.Tensor) -> torch.Tensor:
+    """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
+    c = x.shape[-1]
+    mean, var = torch.empty(c, device=x.device, dtype=torch.float32), torch.empty(c, device=x.device,
+                                                                                  dtype=torch.float32)
+    _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, x.numel() // c, c, BLOCK_P, BLOCK_C)
+    return mean * (x.numel() // c)
+
+
+def add(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """u + v (NHWC, one shape): where a block's two gradients meet at its input."""
+    ones = torch.ones(u.shape[-1], device=u.device, dtype=torch.float32)
+    return _affine(u, ones, torch.zeros_like(ones), v, ones)

@@ -14,9 +14,11 @@ BLOCK = 1024
 
 
 @triton.jit
-def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, weight_decay, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, lr_ptr, momentum, weight_decay, FIRST: tl.constexpr,
+                BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    lr = tl.load(lr_ptr)
     p = tl.load(p_ptr + offs, mask=ok)
     g = tl.load(g_ptr + offs, mask=ok) + weight_decay * p
     if FIRST:
@@ -27,8 +29,11 @@ def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, weight_decay, FIRST: tl.
     tl.store(p_ptr + offs, p - lr * buf, mask=ok)
 
 
-def sgd_step(params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor, lr: float, momentum: float,
-             weight_decay: float, first: bool) -> None:
-    """Updates the flat fp32 `params` and `momentum_buffer` in place from the flat `grads`."""
+def sgd_step(params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torch.Tensor, lr: torch.Tensor,
+             momentum: float, weight_decay: float, first: bool) -> None:
+    """Updates the flat fp32 `params` and `momentum_buffer` in place from the flat `grads`. `lr`: a one-element fp32
+    tensor on their device, read by the kernel: a schedule changes it in place without a host sync, and a captured
+    step replays with the new rate."""
     n = params.numel()
-    _sgd_kernel[(triton.cdiv(n, BLOCK),)](params, grads, momentum_buffer, n, lr, momentum, weight_decay, first, BLOCK)
+    _sgd_kernel[(triton.cdiv(n, BLOCK),)](params, grads, momentum_buffer, n, lr, momentum, weight_decay, first,
+                                          BLOCK)

@@ -1,10 +1,11 @@
-"""A ResNet bottleneck's training forward and backward composed from the Triton kernels (issue 60): the step from
+"""A ResNet block's training forward and backward composed from the Triton kernels (issue 60): the step from
 which the network's is built, block by block. The forward keeps what the backward reads (each convolution's input,
 each batch norm's input, batch moments and output, whose sign is its ReLU's mask); the backward runs the block in
 reverse, the shortcut's gradient added to the main path's at the block's input.
 
 torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(conv3(relu(bn2(conv2(relu(bn1(
 conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.
+BasicBlock: out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), the stride on conv1.
 Convolutions without bias, as torchvision's. Not fused yet: the two gradients at the block's input are summed by
 an add of their own (the cuDNN rung does it in the data gradient's epilogue)."""
 from __future__ import annotations
@@ -29,46 +30,58 @@ class Saved:
     conv_out: torch.Tensor  # the batch norm's input
     mean: torch.Tensor
     invstd: torch.Tensor
+    var: torch.Tensor  # biased: the running variance takes it unbiased
     out: torch.Tensor  # the batch norm's output (after the ReLU, where it has one)
 
 
 def _conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
     c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
-    y, mean, invstd = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
-                                         residual=residual, relu=relu)
-    return Saved(x, c, mean, invstd, y)
+    y, mean, invstd, var = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
+                                              residual=residual, relu=relu)
+    return Saved(x, c, mean, invstd, var, y)
 
 
-def bottleneck_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:
-    """The block's output (NHWC, x's type) and what its backward needs; `block` a torchvision Bottleneck."""
+def main_path(block) -> list[tuple]:
+    """The residual branch's (convolution, batch norm) pairs in order: two in a BasicBlock, three in a
+    Bottleneck."""
+    return [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in (1, 2, 3) if hasattr(block, f"conv{i}")]
+
+
+def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:
+    """The block's output (NHWC, x's type) and what its backward needs; `block` a torchvision BasicBlock or
+    Bottleneck."""
     down = _conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample else None
-    one = _conv_bn(x, block.conv1, block.bn1, tune)
-    two = _conv_bn(one.out, block.conv2, block.bn2, tune)
-    three = _conv_bn(two.out, block.conv3, block.bn3, tune, residual=down.out if down else x)
-    return three.out, [one, two, three] + ([down] if down else [])
+    saved, h = [], x
+    path = main_path(block)
+    for i, (conv, bn) in enumerate(path):
+        last = i == len(path) - 1
+        saved.append(_conv_bn(h, conv, bn, tune, residual=(down.out if down else x) if last else None))
+        h = saved[-1].out
+    return h, saved + ([down] if down else [])
 
 
-def _conv_bn_backward(dy, saved: Saved, conv, bn, tune, grads: dict, relu=True, residual=False):
+def _conv_bn_backward(dy, saved: Saved, conv, bn, tune, grads: dict, relu=True, residual=False, input_grad=True):
     """Through one batch norm (and its ReLU) and convolution: fills `grads` by parameter, returns the gradient at
-    the convolution's input (and the residual's, where asked)."""
+    the convolution's input (None without `input_grad`; and the residual's, where asked)."""
     out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
                               y=saved.out if relu else None, residual=residual)
     dc, grads[bn.weight], grads[bn.bias] = out[:3]
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]
     grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad)
-    dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune)
+    dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune) if input_grad \
+        else None
     return (dx, out[3]) if residual else dx
 
 
-def bottleneck_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True):
+def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True):
     """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter."""
     grads: dict = {}
-    one, two, three = saved[:3]
-    d2, d_shortcut = _conv_bn_backward(dy, three, block.conv3, block.bn3, tune, grads, residual=True)
-    d1 = _conv_bn_backward(d2, two, block.conv2, block.bn2, tune, grads)
-    dx = _conv_bn_backward(d1, one, block.conv1, block.bn1, tune, grads)
+    path = main_path(block)
+    d, d_shortcut = _conv_bn_backward(dy, saved[len(path) - 1], *path[-1], tune, grads, residual=True)
+    for i in reversed(range(len(path) - 1)):
+        d = _conv_bn_backward(d, saved[i], *path[i], tune, grads)
     if block.downsample:
-        d_shortcut = _conv_bn_backward(d_shortcut, saved[3], block.downsample[0], block.downsample[1], tune, grads,
-                                       relu=False)
-    return dx + d_shortcut, grads
+        d_shortcut = _conv_bn_backward(d_shortcut, saved[len(path)], block.downsample[0], block.downsample[1], tune,
+                                       grads, relu=False)
+    return batch_norm.add(d, d_shortcut), grads

@@ -1,0 +1,135 @@
+"""One training step of a torchvision ResNet in Triton kernels (issue 60): core/train.py's step (batch norm on the
+batch's statistics with the running ones updated, cross-entropy, backward, SGD with momentum and weight decay),
+every convolution, normalisation, pool, loss and update a kernel of kernels/triton.
+
+Memory plan (what lives across the step, counted in `memory()`):
+- fp32 master weights, their gradients and the momentum: three flat buffers, every parameter a view of its slice,
+  so that one SGD launch updates the network (kernels/triton/sgd.py);
+- for the backward, per convolution + batch norm (train_block.Saved): the convolution's input (the previous
+  output: one tensor, counted once), the batch norm's input, its output (whose sign is the ReLU's mask) and its
+  moments; the max-pool's positions (int8); the pooled features.
+
+Still done by torch around the kernels (each a copy or a few per-channel vectors, the next things to fuse):
+packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast), the NHWC copy
+of an NCHW input, copying each gradient into its slice of the flat buffer, and the running statistics' update.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.triton import batch_norm
+from kernels.triton.conv import conv2d, pack_conv
+from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+from kernels.triton.cross_entropy import cross_entropy
+from kernels.triton.pool import global_avg_pool
+from kernels.triton.pool_backward import global_avg_pool_backward, max_pool_backward, max_pool_forward
+from kernels.triton.sgd import sgd_step
+from kernels.triton.train_block import Saved, _conv_bn, _conv_bn_backward, block_backward, block_forward, main_path
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
+
+
+def _batch_norms(block) -> list[torch.nn.BatchNorm2d]:
+    """A block's batch norms in the order block_forward saves them: the main path's, then the downsample's."""
+    return [bn for _, bn in main_path(block)] + ([block.downsample[1]] if block.downsample else [])
+
+
+class TritonTrainStep:
+    """step(x, labels) -> the batch's loss (a 0-d fp32 tensor, not synchronised), the model's parameters and
+    running statistics updated in place. `model`: a torchvision ResNet in train mode with fp32 parameters on the
+    step's device; `dtype`: the activations' type (fp32, or bf16 over the fp32 master weights); `lr`: a one-element
+    fp32 tensor on the device, read by the update kernel every step."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, lr: torch.Tensor, momentum: float,
+                 weight_decay: float, tune: bool = True) -> None:
+        self.model, self.dtype, self.lr, self.tune = model, dtype, lr, tune
+        self.momentum, self.weight_decay = momentum, weight_decay
+        params = list(model.parameters())
+        device = params[0].device
+        total = sum(p.numel() for p in params)
+        self.weights = torch.empty(total, device=device, dtype=torch.float32)
+        self.grads = torch.zeros_like(self.weights)
+        self.momentum_buffer = torch.zeros_like(self.weights)
+        self.grad_of: dict[torch.nn.Parameter, torch.Tensor] = {}
+        at = 0
+        for p in params:  # each parameter becomes a view of its slice
+            n = p.numel()
+            self.weights[at:at + n].copy_(p.detach().flatten())
+            p.data = self.weights[at:at + n].view_as(p)
+            self.grad_of[p] = self.grads[at:at + n].view_as(p)
+            at += n
+        self.steps = 0
+        self.saved_bytes = 0
+
+    def __call__(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        m, tune = self.model, self.tune
+        x = x.permute(0, 2, 3, 1).to(self.dtype).contiguous()  # NHWC: a view of a channels_last fp32 input
+        stem = _conv_bn(x, m.conv1, m.bn1, tune)
+        h, positions = max_pool_forward(stem.out)
+        saved_blocks = []
+        for block in _blocks(m):
+            h, saved = block_forward(block, h, tune)
+            saved_blocks.append(saved)
+        features = global_avg_pool(h, tune=tune)  # [N, C]
+        fc = pack_conv(m.fc.weight.detach()[:, :, None, None], bias=m.fc.bias.detach(), dtype=self.dtype,
+                       device=x.device)
+        n, c = features.shape
+        logits = conv2d(features.view(n, 1, 1, c), fc, relu=False, tune=tune).view(n, -1)
+        loss, dlogits = cross_entropy(logits, labels)
+        if not self.steps:
+            self.saved_bytes = _bytes([stem, positions, features, *(s for saved in saved_blocks for s in saved)])
+
+        grads: dict = {}
+        dlogits4 = dlogits.view(n, 1, 1, -1)
+        grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0).reshape(
+            m.fc.weight.shape)
+        grads[m.fc.bias] = batch_norm.channel_sum(dlogits)
+        dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1), tune=tune)
+        dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
+        for block, saved in zip(reversed(_blocks(m)), reversed(saved_blocks)):
+            dh, block_grads = block_backward(block, saved, dh, tune)
+            grads.update(block_grads)
+        dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
+        _conv_bn_backward(dstem, stem, m.conv1, m.bn1, tune, grads, input_grad=False)
+
+        for p, g in grads.items():
+            for hook in (p._backward_hooks or {}).values():  # its gradient hooks, as autograd runs them (the
+                changed = hook(g)                               # training mutants: core/mutations.py)
+                g = g if changed is None else changed
+            self.grad_of[p].copy_(g)
+        sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay,
+                 first=self.steps == 0)
+        _update_running(m.bn1, stem)
+        for block, saved in zip(_blocks(m), saved_blocks):
+            for bn, s in zip(_batch_norms(block), saved):
+                _update_running(bn, s)
+        self.steps += 1
+        return loss
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of what the step keeps: weights, gradients, momentum, and (after the first step) what the forward
+        saves for the backward."""
+        flat = self.weights.numel() * self.weights.element_size()
+        return {"weights_bytes": flat, "gradient_bytes": flat, "optimizer_state_bytes": flat,
+                "saved_for_backward_bytes": self.saved_bytes}
+
+
+def _update_running(bn: torch.nn.BatchNorm2d, saved: Saved) -> None:
+    """PyTorch's running statistics: an exponential average of the batch's mean and unbiased variance."""
+    count = saved.conv_out.numel() // saved.conv_out.shape[-1]
+    with torch.no_grad():
+        bn.running_mean.lerp_(saved.mean, bn.momentum)
+        bn.running_var.lerp_(saved.var * (count / max(count - 1, 1)), bn.momentum)
+        bn.num_batches_tracked += 1
+
+
+def _bytes(saved: list) -> int:
+    """The distinct tensors' bytes (a convolution's input is the output saved before it)."""
+    tensors = {}
+    for item in saved:
+        for t in ((item.inp, item.conv_out, item.mean, item.invstd, item.var, item.out)
+                  if isinstance(item, Saved) else (item,)):
+            tensors[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(tensors.values())
