@@ -26,6 +26,8 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, t
         raise Refusal(f"{tier_name}'s per-layer microbenchmark times {', '.join(tier.dtypes)} kernels, not {dtype}")
     if task == "train" and tier.cannot_train:
         raise Refusal(f"{tier_name} does not train: {tier.cannot_train}")
+    if task == "train" and not tier.has_micro_train:
+        raise Refusal(f"{tier_name}'s microbenchmark times its inference layers only (--task infer)")
     if default_device() != "cuda":
         raise Refusal(f"{tier_name}'s microbenchmark times GPU kernels; no NVIDIA GPU here (NVML found none)")
     reason = tier.availability("cuda")

@@ -179,3 +179,14 @@ def test_accuracy_refuses_a_data_dir_without_splits(tmp_path):
                            str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "expected train/ and test/" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.gpu
+def test_the_triton_rung_trains_within_parity_and_every_training_mutant_fails():
+    """The triton rung's training step (kernels/triton/train_resnet.py) on ResNet-50, strict fp32 and bf16: the
+    right step passes the ladder's training check against eager fp32, and each training mutant fails it."""
+    from harness.mutations import MutationConfig, caught, training_rows
+
+    rows = training_rows(MutationConfig(model="resnet50", device="cuda", rungs=("triton",),
+                                        train_dtypes=("fp32", "bf16"), train_batch=8, train_res=64))
+    assert caught(rows) and len(rows) == 10, [(r["dtype"], r["mutant"], r["ok"], r["reason"]) for r in rows]

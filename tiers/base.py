@@ -49,6 +49,7 @@ class Tier:
     cannot_train: str | None = "no training path"
     # Whether `micro` exists: a per-layer microbenchmark (`python -m harness micro`).
     has_micro: bool = False
+    has_micro_train: bool = False  # whether its microbenchmark also times the training step's layers
     # Whether the network is written here, kernel by kernel (triton, cudnn), rather than run by a framework: the
     # reports state these rungs' speed against the best framework cell too (harness/derive.py best_framework).
     hand_written: bool = False

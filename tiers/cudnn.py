@@ -142,6 +142,7 @@ class CudnnTier(ExternalTier):
     models = ("resnet50",)
     cuda_graph = True
     has_micro = True
+    has_micro_train = True
 
     def parity_recipe(self, cell: Cell) -> str | None:
         return "folded"  # batch-norm folded (net.cpp), the downsample's output stored before the residual add
