@@ -107,9 +107,14 @@ def write_weights(model: torch.nn.Module, path: Path) -> None:
 def load_model(name: str, weights: Path) -> torch.nn.Module:
     """The model with the run's weights file loaded (how every Python rung starts). Built on the meta device and
     filled by assignment, so no time goes into a random initialisation that the file overwrites."""
+    state = load_file(str(weights))
     with torch.device("meta"):
         model = skeleton(name)
-    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
+        head = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+        classes = state[f"{head}.weight"].shape[0] if f"{head}.weight" in state else num_classes(model)
+        if classes != num_classes(model):  # a classifier of its own width (train-to-accuracy's data)
+            model = skeleton(name, classes)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     counters = [k for k in missing if k.endswith("num_batches_tracked")]
     missing = [k for k in missing if k not in counters]
     if missing or unexpected:
@@ -120,10 +125,10 @@ def load_model(name: str, weights: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def skeleton(name: str) -> torch.nn.Module:
+def skeleton(name: str, classes: int = 1000) -> torch.nn.Module:
     """The architecture with torchvision's default initialisation (build under torch.device('meta') to skip it)."""
     check_model(name)
-    return torchvision.models.get_model(name, weights=None, num_classes=1000)
+    return torchvision.models.get_model(name, weights=None, num_classes=classes)
 
 
 def make_input(batch: int, res: int, seed: int = 0) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """`python -m harness train-to-accuracy`: each chosen rung trains the same network from the same seed and weights
 for E epochs on real data, with its own training step (the one `--task train` times), and the test accuracy after
-every epoch is reported per rung: the seed paper's accuracy table, as a curve. The C++ rungs (libtorch, cudnn) train
-in their own programs, on the same images in the same batch order, handed over through the child contract
-(`--train-data`), and write their state after each epoch.
+every epoch is reported per rung: the seed paper's accuracy table, as a curve. Each rung trains in a process of its
+own, as a ladder cell runs (the C++ rungs in their programs, the Python rungs in the ladder's worker), on the same
+images in the same batch order, handed over through the child contract (`--train-data`), and writes its state
+after each epoch.
 
 Data: by default scikit-learn's handwritten digits (1,797 8x8 images shipped inside scikit-learn, no download),
 upsampled to --res, with a fixed stratified split (75% train, 25% test); or --data DIR, an ImageFolder tree with
@@ -25,10 +26,8 @@ import copy
 import json
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torchvision
@@ -40,16 +39,18 @@ from core.cell import Cell, Store
 from core.env import default_device, device_slug, environment
 from core.files import write_text_atomic
 from core.model import write_weights, zero_init_residual
-from core.placement import memory_format, set_math_mode
+from core.placement import set_math_mode
 from core.train import learning_rate
 from harness.context import shipped_tunings
-from harness.contract import ERROR, TRAIN_RESULT_KEYS, Protocol, contract_argv
+from core.paths import REPO
+from harness.contract import ERROR, TRAIN_RESULT_KEYS, WORKER, Protocol, contract_argv
+from harness.failures import failure_status
 from harness.plan import command_line
 from harness.plots import accuracy_curves
 from harness.refusal import Refusal
 from harness.tables import markdown_table
 from tiers import all_tiers
-from tiers.base import ExternalTier, PythonTier
+from tiers.base import ExternalTier, Tier
 
 DIGITS_SPLIT_SEED = 0
 WARMUP_EPOCHS = 2
@@ -135,44 +136,16 @@ def batch_order(images: int, batch: int, epochs: int, seed: int) -> torch.Tensor
     return torch.stack([torch.randperm(images, generator=order)[:steps * batch] for _ in range(epochs)])
 
 
-def train_rung(tier: Any, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
-               rates: torch.Tensor, store: Store, on_epoch) -> dict:
-    """A Python rung from `initial`'s weights: its training step over each epoch's batches in `order` at each
-    step's rate in `rates`, the test accuracy after each epoch."""
-    x_train, y_train, x_test, y_test = data
-    model = copy.deepcopy(initial).train()
-    example = x_train[: cell.batch].to(cell.device)
-    example = example.contiguous(memory_format=memory_format(cell.channels_last))
-    # The rate the step reads, set before each step: a CPU scalar tensor, as PyTorch's compiled-optimizer recipe
-    # has it (the GPU step takes its value without a sync; torch.compile does not recompile when it changes).
-    lr = torch.tensor(rates[0, 0].item())
-    t = time.perf_counter()
-    built = tier.build_train(model, example, cell, store, lr=lr)
-    build_s = time.perf_counter() - t
-    evaluator = copy.deepcopy(initial)
-    curve = []
-    for epoch, (perm, epoch_rates) in enumerate(zip(order, rates), start=1):
-        t = time.perf_counter()
-        losses = []
-        for idx, rate in zip(perm.view(-1, cell.batch), epoch_rates.tolist()):
-            lr.fill_(rate)
-            x = x_train[idx].to(cell.device)
-            x = x.contiguous(memory_format=memory_format(cell.channels_last))
-            losses.append(built.forward(x, y_train[idx].to(cell.device)))
-        mean_loss = torch.stack(losses).float().mean().item()  # one sync per epoch
-        seconds = time.perf_counter() - t
-        acc = evaluate(evaluator, built.state(), x_test, y_test, cell.device)
-        curve.append({"epoch": epoch, "test_accuracy": acc, "train_loss": mean_loss, "epoch_s": seconds})
-        on_epoch(curve[-1])
-    return {"tier": cell.tier, "dtype": cell.dtype, "build_s": build_s, "curve": curve,
-            "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
+class ChildFailed(Exception):
+    """A rung's training process ended without its result: the reason it said, or how it ended."""
 
 
-def train_program(tier: ExternalTier, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
-                  rates: torch.Tensor, store: Store, workdir: Path, on_epoch) -> dict:
-    """A C++ rung: its program takes the same weights, images, batch order and rates through the contract
-    (--train-data), trains with its own step and writes its state after each epoch, which is evaluated as a Python
-    rung's is."""
+def train_in_child(tier: Tier, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
+                   rates: torch.Tensor, store: Store, workdir: Path, on_epoch) -> dict:
+    """A rung in a process of its own, as every ladder cell runs (a crash or an error costs its curve, with its
+    reason): the rung's program, or for a Python rung the ladder's worker, takes the same weights, images, batch
+    order and rates through the contract (--train-data), trains with the rung's own step and writes its state after
+    each epoch, which is evaluated here the same way for every rung."""
     x_train, y_train, x_test, y_test = data
     states = workdir / "states"
     states.mkdir(parents=True, exist_ok=True)
@@ -183,13 +156,16 @@ def train_program(tier: ExternalTier, initial: torch.nn.Module, data: tuple, cel
     save_file({"x": x_train.float().contiguous(), "y": y_train.float(), "order": order.float(), "lr": rates.float()},
               str(workdir / "train.safetensors"))
     t = time.perf_counter()
-    argv = contract_argv(tier.command(cell), cell, files, Protocol(), {
+    program = tier.command(cell) if isinstance(tier, ExternalTier) else WORKER
+    argv = contract_argv(program, cell, files, Protocol(), {
         "train-data": str(workdir / "train.safetensors"), "states": str(states), "lr": repr(rates[0, 0].item()),
         "cache-dir": str(store.cache), "tunings": str(store.tunings or "")})
-    proc = procs.run(argv, cwd=workdir, env=procs.child_env(), capture_output=True, text=True)
+    proc = procs.run(argv, cwd=workdir if isinstance(tier, ExternalTier) else REPO, env=procs.child_env(),
+                     capture_output=True, text=True)
     if proc.returncode != 0:
         said = [line[len(ERROR):] for line in proc.stdout.splitlines() if line.startswith(ERROR)]
-        raise RuntimeError(said[-1] if said else f"exit status {proc.returncode}: {proc.stderr.strip()[-300:]}")
+        raise ChildFailed(said[-1] if said else failure_status(proc.returncode, None, proc.stderr[-3000:],
+                                                               disk=workdir)[1])
     result = json.loads(files["result"].read_text())
     if set(result) != TRAIN_RESULT_KEYS:
         raise RuntimeError(f"{cell.tier} wrote {sorted(result)}, not the contract's {sorted(TRAIN_RESULT_KEYS)}")
@@ -263,17 +239,12 @@ def run(config: AccuracyConfig) -> None:
             continue
         store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
         store.cache.mkdir(parents=True, exist_ok=True)
-        torch._dynamo.reset()
         try:
-            with warnings.catch_warnings():  # torch's own warnings are for its developers: the epoch lines are ours
-                warnings.filterwarnings("ignore", module=r"torch(\.|$)")
-                result = (train_rung(tier, initial, data_split, cell, order, rates, store, show_epoch(console, label))
-                          if isinstance(tier, PythonTier) else
-                          train_program(tier, initial, data_split, cell, order, rates, store,
-                                        out / "programs" / name, show_epoch(console, label)))
+            result = train_in_child(tier, initial, data_split, cell, order, rates, store,
+                                    out / "programs" / label.replace(" ", "-").strip("()"), show_epoch(console, label))
             results.append({**result, "rung": label, "layout": cell.layout})
         except Exception as e:  # a rung that fails costs its own curve, not the others'
-            failed[label] = " ".join(f"{type(e).__name__}: {e}".split())
+            failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
             console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
     warm = (int(rates.argmax()) + 1) / rates.shape[1]  # the epochs the schedule rose over (at most half the run)
     doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,

@@ -4,6 +4,7 @@ cpp/common/ladder/protocol.h (C++ rungs) mirrors it; tests/test_libtorch.py chec
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ CENSUS_KEYS = frozenset({"steps", "source", "module_scopes"})
 # order, lr) and --states DIR in place of the timed phases; it announces these phases and writes these result keys
 # (`epochs`: each epoch's number, seconds and mean train loss), and DIR/epoch-E.safetensors after each epoch.
 TRAIN_PHASES = ("load", "build", "train", "done")
+WORKER = [sys.executable, "-m", "harness.worker"]  # the Python rungs' child program (run from the repository)
 TRAIN_RESULT_KEYS = frozenset({"cold", "build_stats", "epochs"})
 # What a child prints on stdout for the parent: which cell of a `--cells` list begins, which phase, what failed.
 CELL, PHASE, ERROR = "@@cell ", "@@phase ", "@@error "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
-import sys
 import threading
 import time
 import warnings
@@ -20,7 +19,7 @@ from core.parity import NEARER_THAN_ANOTHER_INPUT
 from core.files import write_text_atomic
 from core.paths import REPO
 from harness.context import Context
-from harness.contract import contract_argv
+from harness.contract import WORKER, contract_argv
 from harness.record import recipe_references
 from harness.rundir import ReferenceFailed, cell_dir
 from tiers import all_tiers
@@ -91,7 +90,7 @@ class PrepareStage:
         # in this process it takes the untuned configuration instead, and the measured process tunes it alone.
         env = procs.child_env(LADDER_NO_AUTOTUNE="1")
         proc, beside = self.counted(f"warming {tier.name} {cells[0].dtype} caches", lambda: procs.run(
-            [sys.executable, "-m", "harness.worker", "--cells", str(listing)], cwd=REPO, env=env,
+            [*WORKER, "--cells", str(listing)], cwd=REPO, env=env,
             capture_output=True, text=True, timeout=ctx.protocol.timeout_s * len(cells)))
         for i, c in enumerate(cells):
             result = Path(argvs[i][argvs[i].index("--result") + 1])
@@ -111,7 +110,8 @@ class PrepareStage:
 
     def tasks(self, groups: dict[str, list[Cell]]) -> list[Callable[[], None]]:
         """Every job, longest first as they usually run (exports and AOT compiles, then compiling warm-ups, then
-        C++ builds, then the eager references, all in one job), so that the slowest start first when there are more than jobs."""
+        C++ builds, then the eager references, all in one job), so that the slowest start first when there are more
+        than jobs."""
         exports: list[Callable[[], None]] = []
         warms: list[Callable[[], None]] = []
         builds: list[Callable[[], None]] = []

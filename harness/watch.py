@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from core.files import write_text_atomic
 from core.paths import REPO
 from harness.contention import Contention
 from harness.context import Context
-from harness.contract import CELL, ERROR, PHASE, contract_argv
+from harness.contract import CELL, ERROR, PHASE, WORKER, contract_argv
 from harness.failures import cgroup_oom_kills, failure_status
 from harness.record import base_record, finish_record, stage_reference
 from harness.rundir import cell_dir, dir_bytes
@@ -113,7 +112,7 @@ class ChildRun:
         """The child's program; for a C++ rung, built (cached) and the files each cell needs made from the weights
         (a cell whose files fail after the first is left to the next process, where it fails first)."""
         if isinstance(self.tier, PythonTier):
-            return [sys.executable, "-m", "harness.worker"]
+            return WORKER
         assert isinstance(self.tier, ExternalTier)
         run = self.ctx.run
         self.built_before = self.tier.built(self.cells[0])

@@ -139,8 +139,10 @@ def store_of(kv: dict[str, str]) -> Store:
                  tunings=Path(kv["tunings"]) if kv.get("tunings") else None)
 
 
-def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, Built, torch.Tensor]:
-    """The cold part of a cell: load, build, first result (written to --output). Returns (tier, built, example)."""
+def build(kv: dict[str, str], cell: Cell, result: dict[str, Any], lr: float | torch.Tensor | None = None
+          ) -> tuple[Any, Built, torch.Tensor, torch.Tensor]:
+    """The load and build phases of a cell. Returns (tier, built, example, the input as read). `lr`: a training
+    step's rate (default --lr), or a one-element tensor a schedule sets before each step."""
     tier = get_tier(cell.tier)
     store = store_of(kv)
     os.environ.update(store.library_env())  # read by Inductor and Triton when they first compile
@@ -157,7 +159,7 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     torch.backends.cudnn.benchmark = benchmark == "on"
     example = prepare_input(x_host, cell)
     if cell.task == "train":
-        built = tier.build_train(model.train(), example, cell, store, lr=float(kv["lr"]))
+        built = tier.build_train(model.train(), example, cell, store, lr=float(kv["lr"]) if lr is None else lr)
     else:
         built = tier.build(model, example, cell, store)
     if benchmark is not None:
@@ -165,7 +167,12 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
     if cell.cuda_graph and not built.captured:
         built = capture_cuda_graph(built, example)
     result["cold"]["build_s"] = time.perf_counter() - t
+    return tier, built, example, x_host
 
+
+def first_result(kv: dict[str, str], cell: Cell, built: Built, example: torch.Tensor, x_host: torch.Tensor,
+                 result: dict[str, Any]) -> None:
+    """The cold part's last phase: the first result, written to --output (and a training cell's parity steps)."""
     phase("first")
     t = time.perf_counter()
     out = built.forward(example)
@@ -182,7 +189,29 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> tuple[Any, 
             result["stage_errors"] = stage_errors(run_stages(built.stages(), x, refs), refs)
     # Keep no reference to this output: under reduce-overhead (CUDA-graph trees) a later call overwrites it.
     result["output"] = {"shape": list(out.shape), "dtype": out.dtype}
-    return tier, built, example
+
+
+def train_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> dict[str, Any]:
+    """--train-data FILE and --states DIR (harness/contract.py TRAIN_PHASES), as the C++ rungs do it
+    (cpp/common/ladder/protocol.h train_on_data): each epoch's steps over its batches of `order`, each at its rate
+    of `lr`, then the state after the epoch to DIR/epoch-E.safetensors. The result: cold, build_stats, epochs."""
+    data = load_file(kv["train-data"])
+    x, y, order, rates = data["x"], data["y"].long(), data["order"].long(), data["lr"]
+    rate = torch.tensor(rates[0, 0].item())  # on the host, as a schedule hands it over (core/train.py make_step)
+    _, built, _, _ = build(kv, cell, result, lr=rate)
+    phase("train")
+    epochs = []
+    for e, (batches, epoch_rates) in enumerate(zip(order.view(order.shape[0], -1, cell.batch), rates), start=1):
+        t = time.perf_counter()
+        losses = []
+        for idx, r in zip(batches, epoch_rates.tolist()):
+            rate.fill_(r)
+            losses.append(built.forward(prepare_input(x[idx], cell), y[idx].to(cell.device)))
+        loss = torch.stack(losses).float().mean().item()  # one sync per epoch
+        epochs.append({"epoch": e, "seconds": time.perf_counter() - t, "train_loss": loss})
+        save_file(built.state(), str(Path(kv["states"]) / f"epoch-{e}.safetensors"))
+    phase("done")
+    return {"cold": result["cold"], "build_stats": built.stats, "epochs": epochs}
 
 
 def stream_of(built: Built, cell: Cell) -> Any:
@@ -350,7 +379,10 @@ def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     if cell.device == "cuda":  # per cell, in a process that measures several: peaks and caches of this cell only
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    tier, built, example = build(kv, cell, result)
+    if kv.get("train-data"):
+        return train_on_data(kv, cell, result)
+    tier, built, example, x_host = build(kv, cell, result)
+    first_result(kv, cell, built, example, x_host, result)
     if kv.get("build-only") == "1":
         result.pop("output")
         return result

@@ -13,9 +13,13 @@ from tiers.base import PythonTier
 
 class Segfault(PythonTier):
     name = "test-segfault"
+    cannot_train = None
 
     def build(self, model, example, cell, store):
         ctypes.string_at(0)  # dereferences NULL: SIGSEGV in the child
+
+    def build_train(self, model, example, cell, store, lr=None):  # train-to-accuracy's rungs crash as cells do
+        ctypes.string_at(0)
 
 
 class Raises(PythonTier):

@@ -94,9 +94,11 @@ def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_n
     assert "(training steps)" in proc.stdout
 
 
-def train_to_accuracy(out, *args: str) -> dict:
+def train_to_accuracy(out, *args: str, extra_tiers: bool = False) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **({"LADDER_EXTRA_TIERS": "tests.failing_tiers"} if extra_tiers
+                                                     else {})}
     proc = subprocess.run([sys.executable, "-m", "harness", "train-to-accuracy", "--out", str(out), *args], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1800)
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "accuracy.json").read_text())
 
@@ -121,7 +123,8 @@ def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
     through the contract's --train-data), and eager's twin in the other layout, reach 90% and end within 1.5 points
     of eager; libtorch's curve is eager's within 1.5 points at every epoch, and the agreement table says so."""
     doc = train_to_accuracy(tmp_path, "--device", "cpu", "--epochs", "4",  # every rung past 97% at the 4th
-                            "--tiers", "eager,torchscript,compile,libtorch,onnxruntime,cudnn")
+                            "--tiers", "eager,torchscript,compile,libtorch,onnxruntime,cudnn,test-segfault",
+                            extra_tiers=True)
     assert doc["data"]["train_images"] + doc["data"]["test_images"] == 1797
     assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "compile", "libtorch", "eager (nhwc)"}
     for r in doc["rungs"]:
@@ -130,6 +133,9 @@ def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
     within_points_of_eager({**doc, "rungs": [r for r in doc["rungs"] if r["rung"] in ("eager", "libtorch")]}, 1.5)
     assert doc["agreement"]["libtorch"]["epochs_beyond"] == [] and doc["agreement"]["eager (nhwc)"]["epochs"] == 4
     assert "training API" in doc["skipped"]["onnxruntime"] and doc["skipped"]["cudnn"] == "needs a CUDA GPU"
+    # every rung trains in a process of its own, as a ladder cell runs: a crash costs its curve and says why
+    assert doc["failed"] == {"test-segfault": doc["failed"]["test-segfault"]}
+    assert "killed by SIGSEGV" in doc["failed"]["test-segfault"]
     assert (tmp_path / "plots" / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     assert "](plots/accuracy.png)" in (tmp_path / "accuracy.md").read_text()
 
