@@ -167,6 +167,10 @@ def training_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambd
     rows = []
     for rung in config.rungs:
         for dtype in config.train_dtypes:
+            cell = Cell(tier=rung, model=config.model, batch=config.train_batch, res=config.train_res, dtype=dtype,
+                        channels_last=True, device=config.device, task="train")
+            if not runs(get_tier(rung), cell):
+                continue
             for mutant in mutants:
                 out = _steps(start, x, rung, dtype, True, mutant.change, config)
                 parity = train.compare(out, ref, initial, dtype)
