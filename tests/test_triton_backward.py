@@ -233,7 +233,8 @@ def test_two_training_steps_are_eager_steps():
         want = ref_step(x.double(), labels).item()
         assert abs(step.forward(x, labels).item() - want) <= max(4 * abs(eager_step(x, labels).item() - want),
                                                                  1e-6 * want)
-        first = first if i else {k: v.clone() for k, v in step.state().items()}  # state(): the live tensors
+        if i == 0:  # state(): the live tensors
+            first = {k: v.clone() for k, v in step.state().items()}
     ours, theirs, fp64 = step.state(), train.state_of(eager), train.state_of(ref)
     assert ours.keys() == fp64.keys()
 
