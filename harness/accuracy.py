@@ -39,10 +39,10 @@ from core.cell import Cell, Store
 from core.env import default_device, device_slug, environment
 from core.files import write_text_atomic
 from core.model import write_weights, zero_init_residual
+from core.paths import REPO
 from core.placement import set_math_mode
 from core.train import learning_rate
 from harness.context import shipped_tunings
-from core.paths import REPO
 from harness.contract import ERROR, TRAIN_RESULT_KEYS, WORKER, Protocol, contract_argv
 from harness.failures import failure_status
 from harness.plan import command_line
@@ -241,7 +241,7 @@ def run(config: AccuracyConfig) -> None:
         store.cache.mkdir(parents=True, exist_ok=True)
         try:
             result = train_in_child(tier, initial, data_split, cell, order, rates, store,
-                                    out / "programs" / label.replace(" ", "-").strip("()"), show_epoch(console, label))
+                                    out / "programs" / f"{name}-{cell.layout}", show_epoch(console, label))
             results.append({**result, "rung": label, "layout": cell.layout})
         except Exception as e:  # a rung that fails costs its own curve, not the others'
             failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())

@@ -2,8 +2,8 @@
 forward mutant is computed by a rung itself (its weights, its input, or its launches made wrong) at every dtype the
 rung runs, and judged by the ladder's own checks (core.parity.verdict against the references the prepare stage
 makes); each training mutant is a rung's step (eager's, triton's) with its backward made wrong, judged by
-core.train.compare. Every row
-must fail, and the right network ("none") pass. Rows: mutations.json (a list), a table per task in mutations.md.
+core.train.compare. Every row must fail, and the right network ("none") pass. Rows: mutations.json (a list), a
+table per task in mutations.md.
 
 In-process and one forward per row, so it takes the Python rungs (eager, triton); the C++ rungs are held to the
 same checks in every ladder cell. The triton rung's structural mutants change its launches in Python, so they run

@@ -129,8 +129,8 @@ def test_every_wrong_network_fails_and_the_right_one_passes_on_the_cpu():
 def test_every_wrong_backward_fails_and_the_right_step_passes():
     """The training suite on eager at fp32: a block's convolutions or layer4 without gradient, batch-norm's scale
     without one and every weight gradient x0.7 each fail; the worst tensor's gain says which."""
-    rows = training_rows(MutationConfig(model="resnet18", device="cpu", rungs=("eager",), train_dtypes=("fp32",), train_batch=4,
-                                        train_res=32))
+    rows = training_rows(MutationConfig(model="resnet18", device="cpu", rungs=("eager",), train_dtypes=("fp32",),
+                                        train_batch=4, train_res=32))
     assert caught(rows) and len(rows) == 5, rows
     gains = {r["mutant"]: r["worst_group_gain"] for r in rows}
     assert abs(gains["none"] - 1) < 0.05 and abs(gains["weight-grads-x0.7"] - 0.7) < 0.05, gains

@@ -207,7 +207,7 @@ class TritonTier(PythonTier):
 
         built = Built(forward=forward, state=lambda: train.state_of(net), stats={
             "autotune": "interpreter" if tuning.INTERPRET else self.setting(cell, "autotune"),
-            "interpreted": tuning.INTERPRET, "memory": step.memory()})
+            "interpreted": tuning.INTERPRET})
         return built
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",

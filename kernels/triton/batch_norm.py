@@ -17,6 +17,8 @@ layers), and nothing is fused into the convolutions yet (docs/notes/cudnn-traini
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -139,20 +141,26 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     dx = _affine(dy, k1, k3, x, k2, gate=y)
     if not residual:
         return dx, dgamma, dbeta
-    ones, zeros = torch.ones_like(gamma), torch.zeros_like(gamma)
+    ones, zeros = _identity(c, x.device)
     return dx, dgamma, dbeta, (dy if y is None else _affine(dy, ones, zeros, gate=y))
 
 
 def channel_sum(x: torch.Tensor) -> torch.Tensor:
     """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
     c = x.shape[-1]
-    mean, var = torch.empty(c, device=x.device, dtype=torch.float32), torch.empty(c, device=x.device,
-                                                                                  dtype=torch.float32)
+    mean, var = (torch.empty(c, device=x.device, dtype=torch.float32) for _ in range(2))
     _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, x.numel() // c, c, BLOCK_P, BLOCK_C)
     return mean * (x.numel() // c)
 
 
 def add(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """u + v (NHWC, one shape): where a block's two gradients meet at its input."""
-    ones = torch.ones(u.shape[-1], device=u.device, dtype=torch.float32)
-    return _affine(u, ones, torch.zeros_like(ones), v, ones)
+    ones, zeros = _identity(u.shape[-1], u.device)
+    return _affine(u, ones, zeros, v, ones)
+
+
+@functools.lru_cache(maxsize=None)
+def _identity(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map's per-channel identity (ones, zeros; fp32), made once per width and device rather than in
+    every step's backward."""
+    return (torch.ones(c, device=device, dtype=torch.float32), torch.zeros(c, device=device, dtype=torch.float32))

@@ -25,7 +25,10 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bo
 
 @dataclass
 class Saved:
-    """What one convolution + batch norm of the forward leaves for the backward."""
+    """What one convolution + batch norm of the forward leaves for the backward, and whose they are."""
+    conv: torch.nn.Conv2d
+    bn: torch.nn.BatchNorm2d
+    relu: bool  # whether a ReLU followed the batch norm (its mask: the output's sign)
     inp: torch.Tensor  # the convolution's input
     conv_out: torch.Tensor  # the batch norm's input
     mean: torch.Tensor
@@ -34,11 +37,12 @@ class Saved:
     out: torch.Tensor  # the batch norm's output (after the ReLU, where it has one)
 
 
-def _conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
+def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
+    """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs."""
     c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
     y, mean, invstd, var = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
                                               residual=residual, relu=relu)
-    return Saved(x, c, mean, invstd, var, y)
+    return Saved(conv, bn, relu, x, c, mean, invstd, var, y)
 
 
 def main_path(block) -> list[tuple]:
@@ -48,23 +52,24 @@ def main_path(block) -> list[tuple]:
 
 
 def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:
-    """The block's output (NHWC, x's type) and what its backward needs; `block` a torchvision BasicBlock or
-    Bottleneck."""
-    down = _conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample else None
+    """The block's output (NHWC, x's type) and what its backward needs (the main path's in order, then the
+    downsample's); `block` a torchvision BasicBlock or Bottleneck."""
+    down = conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample else None
     saved, h = [], x
     path = main_path(block)
     for i, (conv, bn) in enumerate(path):
         last = i == len(path) - 1
-        saved.append(_conv_bn(h, conv, bn, tune, residual=(down.out if down else x) if last else None))
+        saved.append(conv_bn(h, conv, bn, tune, residual=(down.out if down else x) if last else None))
         h = saved[-1].out
     return h, saved + ([down] if down else [])
 
 
-def _conv_bn_backward(dy, saved: Saved, conv, bn, tune, grads: dict, relu=True, residual=False, input_grad=True):
+def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_grad=True):
     """Through one batch norm (and its ReLU) and convolution: fills `grads` by parameter, returns the gradient at
     the convolution's input (None without `input_grad`; and the residual's, where asked)."""
+    conv, bn = saved.conv, saved.bn
     out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
-                              y=saved.out if relu else None, residual=residual)
+                              y=saved.out if saved.relu else None, residual=residual)
     dc, grads[bn.weight], grads[bn.bias] = out[:3]
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]
@@ -77,11 +82,10 @@ def _conv_bn_backward(dy, saved: Saved, conv, bn, tune, grads: dict, relu=True, 
 def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True):
     """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter."""
     grads: dict = {}
-    path = main_path(block)
-    d, d_shortcut = _conv_bn_backward(dy, saved[len(path) - 1], *path[-1], tune, grads, residual=True)
-    for i in reversed(range(len(path) - 1)):
-        d = _conv_bn_backward(d, saved[i], *path[i], tune, grads)
+    last = len(main_path(block)) - 1
+    d, d_shortcut = conv_bn_backward(dy, saved[last], tune, grads, residual=True)
+    for s in reversed(saved[:last]):
+        d = conv_bn_backward(d, s, tune, grads)
     if block.downsample:
-        d_shortcut = _conv_bn_backward(d_shortcut, saved[len(path)], block.downsample[0], block.downsample[1], tune,
-                                       grads, relu=False)
+        d_shortcut = conv_bn_backward(d_shortcut, saved[last + 1], tune, grads)
     return batch_norm.add(d, d_shortcut), grads

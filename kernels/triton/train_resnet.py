@@ -24,16 +24,7 @@ from kernels.triton.cross_entropy import cross_entropy
 from kernels.triton.pool import global_avg_pool
 from kernels.triton.pool_backward import global_avg_pool_backward, max_pool_backward, max_pool_forward
 from kernels.triton.sgd import sgd_step
-from kernels.triton.train_block import Saved, _conv_bn, _conv_bn_backward, block_backward, block_forward, main_path
-
-
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
-
-
-def _batch_norms(block) -> list[torch.nn.BatchNorm2d]:
-    """A block's batch norms in the order block_forward saves them: the main path's, then the downsample's."""
-    return [bn for _, bn in main_path(block)] + ([block.downsample[1]] if block.downsample else [])
+from kernels.triton.train_block import Saved, block_backward, block_forward, conv_bn, conv_bn_backward
 
 
 class TritonTrainStep:
@@ -60,16 +51,17 @@ class TritonTrainStep:
             p.data = self.weights[at:at + n].view_as(p)
             self.grad_of[p] = self.grads[at:at + n].view_as(p)
             at += n
+        self.blocks = [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
         self.steps = 0
         self.saved_bytes = 0
 
     def __call__(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         m, tune = self.model, self.tune
         x = x.permute(0, 2, 3, 1).to(self.dtype).contiguous()  # NHWC: a view of a channels_last fp32 input
-        stem = _conv_bn(x, m.conv1, m.bn1, tune)
+        stem = conv_bn(x, m.conv1, m.bn1, tune)
         h, positions = max_pool_forward(stem.out)
         saved_blocks = []
-        for block in _blocks(m):
+        for block in self.blocks:
             h, saved = block_forward(block, h, tune)
             saved_blocks.append(saved)
         features = global_avg_pool(h, tune=tune)  # [N, C]
@@ -78,8 +70,9 @@ class TritonTrainStep:
         n, c = features.shape
         logits = conv2d(features.view(n, 1, 1, c), fc, relu=False, tune=tune).view(n, -1)
         loss, dlogits = cross_entropy(logits, labels)
+        every_bn = [stem, *(s for saved in saved_blocks for s in saved)]
         if not self.steps:
-            self.saved_bytes = _bytes([stem, positions, features, *(s for saved in saved_blocks for s in saved)])
+            self.saved_bytes = _bytes([positions, features, *every_bn])
 
         grads: dict = {}
         dlogits4 = dlogits.view(n, 1, 1, -1)
@@ -88,11 +81,11 @@ class TritonTrainStep:
         grads[m.fc.bias] = batch_norm.channel_sum(dlogits)
         dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1), tune=tune)
         dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
-        for block, saved in zip(reversed(_blocks(m)), reversed(saved_blocks)):
+        for block, saved in zip(reversed(self.blocks), reversed(saved_blocks)):
             dh, block_grads = block_backward(block, saved, dh, tune)
             grads.update(block_grads)
         dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
-        _conv_bn_backward(dstem, stem, m.conv1, m.bn1, tune, grads, input_grad=False)
+        conv_bn_backward(dstem, stem, tune, grads, input_grad=False)
 
         for p, g in grads.items():
             for hook in (p._backward_hooks or {}).values():  # its gradient hooks, as autograd runs them (the
@@ -101,10 +94,8 @@ class TritonTrainStep:
             self.grad_of[p].copy_(g)
         sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay,
                  first=self.steps == 0)
-        _update_running(m.bn1, stem)
-        for block, saved in zip(_blocks(m), saved_blocks):
-            for bn, s in zip(_batch_norms(block), saved):
-                _update_running(bn, s)
+        for saved in every_bn:
+            _update_running(saved)
         self.steps += 1
         return loss
 
@@ -116,8 +107,9 @@ class TritonTrainStep:
                 "saved_for_backward_bytes": self.saved_bytes}
 
 
-def _update_running(bn: torch.nn.BatchNorm2d, saved: Saved) -> None:
+def _update_running(saved: Saved) -> None:
     """PyTorch's running statistics: an exponential average of the batch's mean and unbiased variance."""
+    bn = saved.bn
     count = saved.conv_out.numel() // saved.conv_out.shape[-1]
     with torch.no_grad():
         bn.running_mean.lerp_(saved.mean, bn.momentum)
