@@ -8,8 +8,10 @@ from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
 
 # (kernel, stride, padding, input channels, output channels, input size): every convolution kind of a ResNet (the
 # stem's 7x7/2 over 3 channels, 3x3/1 and 3x3/2, 1x1/1 and the downsample's 1x1/2) at sizes that leave edges:
-# channel counts off the 32-wide tiles, inputs the stride does not divide.
-CASES = [(7, 2, 3, 3, 20, 13), (3, 1, 1, 37, 19, 7), (3, 2, 1, 18, 33, 9), (1, 1, 0, 40, 24, 5), (1, 2, 0, 21, 35, 8)]
+# channel counts off the tiles, inputs the stride does not divide; and few channels over many pixels, which the
+# reduction cuts into slices (kernels/triton/split.py), the last one short.
+CASES = [(7, 2, 3, 3, 20, 13), (3, 1, 1, 37, 19, 7), (3, 2, 1, 18, 33, 9), (1, 1, 0, 40, 24, 5), (1, 2, 0, 21, 35, 8),
+         (1, 1, 0, 5, 6, 23)]
 
 
 def autograd(x, weight, stride, pad):
@@ -38,10 +40,11 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
         assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("n,size,channels", [(3, 5, 37), (2, 7, 64), (1, 2, 5)])
+@pytest.mark.parametrize("n,size,channels", [(3, 5, 37), (2, 7, 64), (1, 2, 5), (3, 19, 5)])
 def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
     """Forward (the batch's moments, biased, and the affine map) and backward (dx, dgamma, dbeta) against
-    F.batch_norm in training mode, in fp64, on channel counts off the tiles and a batch of 4 values per channel."""
+    F.batch_norm in training mode, in fp64, on channel counts off the tiles, a batch of 4 values per channel, and
+    many rows over few channels (cut into slices, the last one short)."""
     from kernels.triton import batch_norm
 
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,7 @@ tensors (another pass): `forward`'s y = a*x + b (with a block's residual added a
 read from the forward's output). In NHWC a channel is a column, so a program owns a block of columns and walks the
 rows; the moments are taken in two passes (mean, then the centred squares) so that a large mean does not cancel the variance.
 
-First versions, correct before fast: the reductions run one program per column block (few programs for late
-layers), and nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
+The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py); nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
@@ -23,42 +22,55 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_P, BLOCK_C = 32, 32
+from kernels.triton.split import row_slices
+
+BLOCK_P, BLOCK_C = 32, 64  # 64 columns: a 128-byte row of a bf16 tile
 
 
 @triton.jit
-def _moments_kernel(x_ptr, mean_ptr, var_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _moments_kernel(x_ptr, mean_ptr, m2_ptr, P, C, ROWS, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One slice of ROWS rows (program axis 1) of a block of columns: its mean and sum of centred squares (M2) per
+    column, each row block's own merged in (Chan et al.'s pairwise update), so that a large mean never cancels the
+    variance and the data is read once."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
+    start = tl.program_id(1) * ROWS
+    end = tl.minimum(start + ROWS, P)
+    count = 0.0
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for p0 in range(start, end, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
-        ok = (offs_p < P)[:, None] & c_ok[None, :]
-        total += tl.sum(tl.load(x_ptr + offs_p[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32), 0)
-    mean = total / P
-    squares = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        ok = (offs_p < P)[:, None] & c_ok[None, :]
+        ok = (offs_p < end)[:, None] & c_ok[None, :]
         x = tl.load(x_ptr + offs_p[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
-        centred = tl.where(ok, x - mean[None, :], 0.0)
-        squares += tl.sum(centred * centred, 0)
-    tl.store(mean_ptr + offs_c, mean, mask=c_ok)
-    tl.store(var_ptr + offs_c, squares / P, mask=c_ok)
+        n = tl.minimum(end - p0, BLOCK_P).to(tl.float32)
+        block_mean = tl.sum(x, 0) / n
+        centred = tl.where(ok, x - block_mean[None, :], 0.0)
+        delta = block_mean - mean
+        total = count + n
+        mean += delta * (n / total)
+        m2 += tl.sum(centred * centred, 0) + delta * delta * (count * n / total)
+        count = total
+    out = tl.program_id(1) * C + offs_c
+    tl.store(mean_ptr + out, mean, mask=c_ok)
+    tl.store(m2_ptr + out, m2, mask=c_ok)
 
 
 @triton.jit
-def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xhat_ptr, P, C,
+def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xhat_ptr, P, C, ROWS,
                       RELU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One slice of ROWS rows (program axis 1): its partial sums of dy and dy * xhat per column."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
+    start = tl.program_id(1) * ROWS
+    end = tl.minimum(start + ROWS, P)
     mean = tl.load(mean_ptr + offs_c, mask=c_ok, other=0.0)
     invstd = tl.load(invstd_ptr + offs_c, mask=c_ok, other=0.0)
     sum_dy = tl.zeros((BLOCK_C,), dtype=tl.float32)
     sum_dy_xhat = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
+    for p0 in range(start, end, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
-        ok = (offs_p < P)[:, None] & c_ok[None, :]
+        ok = (offs_p < end)[:, None] & c_ok[None, :]
         at = offs_p[:, None] * C + offs_c[None, :]
         dy = tl.load(dy_ptr + at, mask=ok, other=0.0).to(tl.float32)
         if RELU:  # the gradient through the ReLU: zero where its output was not positive
@@ -66,8 +78,9 @@ def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, su
         xhat = (tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * invstd[None, :]
         sum_dy += tl.sum(dy, 0)
         sum_dy_xhat += tl.sum(tl.where(ok, dy * xhat, 0.0), 0)
-    tl.store(sum_dy_ptr + offs_c, sum_dy, mask=c_ok)
-    tl.store(sum_dy_xhat_ptr + offs_c, sum_dy_xhat, mask=c_ok)
+    out = tl.program_id(1) * C + offs_c
+    tl.store(sum_dy_ptr + out, sum_dy, mask=c_ok)
+    tl.store(sum_dy_xhat_ptr + out, sum_dy_xhat, mask=c_ok)
 
 
 @triton.jit
@@ -114,11 +127,7 @@ def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
     """y = [relu](bn(x) [+ residual]) in x's type, the batch's mean and invstd (fp32, per channel) that backward
     needs, and its (biased) variance: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. The caller updates the
     running statistics from mean and var (unbiased there)."""
-    c = x.shape[-1]
-    p = x.numel() // c
-    mean = torch.empty(c, device=x.device, dtype=torch.float32)
-    var = torch.empty_like(mean)
-    _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, p, c, BLOCK_P, BLOCK_C)
+    mean, var = _moments(x)
     invstd = torch.rsqrt(var + eps)
     a = gamma * invstd
     return _affine(x, a, beta - mean * a, residual=residual, relu=relu), mean, invstd, var
@@ -131,10 +140,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     gradient (dy through the ReLU), returned last."""
     c = x.shape[-1]
     p = x.numel() // c
-    dbeta = torch.empty(c, device=x.device, dtype=torch.float32)
-    dgamma = torch.empty_like(dbeta)
-    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C),)](dy, x, dy if y is None else y, mean, invstd, dbeta, dgamma, p, c,
-                                                  y is not None, BLOCK_P, BLOCK_C)
+    slices, rows = _slices(x)
+    dbeta, dgamma = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C), slices)](dy, x, dy if y is None else y, mean, invstd, dbeta,
+                                                         dgamma, p, c, rows, y is not None, BLOCK_P, BLOCK_C)
+    dbeta, dgamma = dbeta.sum(0), dgamma.sum(0)  # the slices in a fixed order: the same bits every call
     k1 = gamma * invstd
     k2 = -k1 * invstd * dgamma / p
     k3 = k1 * (mean * invstd * dgamma - dbeta) / p
@@ -147,10 +157,27 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
 
 def channel_sum(x: torch.Tensor) -> torch.Tensor:
     """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
+    mean, _ = _moments(x)
+    return mean * (x.numel() // x.shape[-1])
+
+
+def _slices(x: torch.Tensor) -> tuple[int, int]:
+    """(slices, rows per slice) of a per-channel reduction over NHWC `x` (kernels/triton/split.py)."""
     c = x.shape[-1]
-    mean, var = (torch.empty(c, device=x.device, dtype=torch.float32) for _ in range(2))
-    _moments_kernel[(triton.cdiv(c, BLOCK_C),)](x, mean, var, x.numel() // c, c, BLOCK_P, BLOCK_C)
-    return mean * (x.numel() // c)
+    return row_slices(x.numel() // c, triton.cdiv(c, BLOCK_C), BLOCK_P, x.device)
+
+
+def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel mean and biased variance (fp32) of NHWC `x`: each slice's from the kernel, then merged
+    (the pooled mean, and the slices' M2 plus their spread about it)."""
+    c = x.shape[-1]
+    p = x.numel() // c
+    slices, rows = _slices(x)
+    means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+    _moments_kernel[(triton.cdiv(c, BLOCK_C), slices)](x, means, m2, p, c, rows, BLOCK_P, BLOCK_C)
+    counts = (p - rows * torch.arange(slices, device=x.device)).clamp(max=rows).float()[:, None]
+    mean = (counts * means).sum(0) / p
+    return mean, (m2.sum(0) + (counts * (means - mean) ** 2).sum(0)) / p
 
 
 def add(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

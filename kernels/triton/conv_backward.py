@@ -11,7 +11,8 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
   conv2d_weight_grad_kernel gathers x's rows at the tap's offset as the forward gathers its windows (zeros in the
   padding) and accumulates in fp32.
 
-First versions, correct before fast: fixed tiles, and the strided data gradient materialises the spread dy
+The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py). First
+versions, correct before fast: fixed tiles, and the strided data gradient materialises the spread dy
 (4x its bytes at stride 2). tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
@@ -20,23 +21,27 @@ import triton
 import triton.language as tl
 
 from kernels.triton.conv import conv2d, pack_conv
+from kernels.triton.split import row_slices
 
 
 @triton.jit
-def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD,
+def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD, ROWS, TAPS,
                               KW: tl.constexpr, PRECISION: tl.constexpr, BLOCK_C: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One [BLOCK_C x BLOCK_K] tile of one tap's dW (program axis 2: the tap r * KW + s), reduced over all P output
-    pixels. dW is stored [KH, KW, CIN, COUT], COUT fastest."""
-    tap = tl.program_id(2)
+    """One [BLOCK_C x BLOCK_K] tile of one tap's dW (program axis 2: the slice * TAPS + the tap r * KW + s),
+    reduced over one slice of ROWS output pixels: the slice's partial dW, stored [slices, KH, KW, CIN, COUT],
+    COUT fastest."""
+    tap = tl.program_id(2) % TAPS
+    start = tl.program_id(2) // TAPS * ROWS
+    end = tl.minimum(start + ROWS, P)
     r, s = tap // KW, tap % KW
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     c_ok, k_ok = offs_c < CIN, offs_k < COUT
     acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
+    for p0 in range(start, end, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
-        p_ok = offs_p < P
+        p_ok = offs_p < end
         n, pixel = offs_p // (OH * OW), offs_p % (OH * OW)
         ih = (pixel // OW) * STRIDE + r - PAD  # the input pixel this tap of the output pixel's window reads
         iw = (pixel % OW) * STRIDE + s - PAD
@@ -46,7 +51,7 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT,
         dyt = tl.load(dy_ptr + offs_p[:, None] * COUT + offs_k[None, :], mask=p_ok[:, None] & k_ok[None, :],
                       other=0.0)
         acc += tl.dot(xt, dyt, input_precision=PRECISION)
-    out = (tap * CIN + offs_c[:, None]) * COUT + offs_k[None, :]
+    out = (tl.program_id(2) * CIN + offs_c[:, None]) * COUT + offs_k[None, :]
     tl.store(dw_ptr + out, acc, mask=c_ok[:, None] & k_ok[None, :])
 
 
@@ -56,12 +61,20 @@ def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stri
     gradient of its output (both contiguous, one dtype)."""
     n, h, w, cin = x.shape
     _, oh, ow, cout = dy.shape
-    dw = torch.empty((kh, kw, cin, cout), device=x.device, dtype=torch.float32)
-    block_c, block_k, block_p = 32, 32, 32
-    grid = (triton.cdiv(cin, block_c), triton.cdiv(cout, block_k), kh * kw)
-    conv2d_weight_grad_kernel[grid](x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, kw, precision,
-                                    block_c, block_k, block_p)
-    return dw.permute(3, 2, 0, 1)
+    block_c, block_k, block_p = _tile(cin), _tile(cout), 32
+    tiles = triton.cdiv(cin, block_c) * triton.cdiv(cout, block_k) * kh * kw
+    slices, rows = row_slices(n * oh * ow, tiles, block_p, x.device)
+    dw = torch.empty((slices, kh, kw, cin, cout), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(cin, block_c), triton.cdiv(cout, block_k), slices * kh * kw)
+    conv2d_weight_grad_kernel[grid](x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows, kh * kw,
+                                    kw, precision, block_c, block_k, block_p)
+    return dw.sum(0).permute(3, 2, 0, 1)  # the slices in a fixed order: the same bits every call
+
+
+def _tile(channels: int) -> int:
+    """A tile side for one channel axis of dW: 64, or the power of two that holds a narrower axis (at least 16,
+    tl.dot's smallest)."""
+    return min(64, max(16, triton.next_power_of_2(channels)))
 
 
 def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, input_hw: tuple[int, int],
