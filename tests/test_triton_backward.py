@@ -257,3 +257,18 @@ def test_two_training_steps_are_eager_steps():
     gains = {name: train._gain(value - initial[name], first[name] - initial[name])
              for name, value in wrong.state().items() if name.startswith("param.")}
     assert abs(gains["param.layer2.0.conv1.weight"] - 0.7) < 0.01 and abs(gains["param.bn1.weight"] - 1) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_training_steps_packing_on_the_device_gives_the_inference_packings_bits(dtype):
+    """conv.pack_weights (a training step's, where the weights live) against pack_conv (host, fp64): one rounding
+    either way, the same bits."""
+    from kernels.triton.conv import pack_conv, pack_weights
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(7, 5, 3, 3, generator=g), torch.randn(7, generator=g)
+    for b in (None, bias):
+        ours, host = pack_weights(weight, 2, 1, bias=b, dtype=dtype), pack_conv(weight, 2, 1, bias=b, dtype=dtype)
+        assert torch.equal(ours.weight, host.weight) and torch.equal(ours.bias, host.bias)
+        assert (ours.kh, ours.kw, ours.stride, ours.pad, ours.cout) == (host.kh, host.kw, host.stride, host.pad,
+                                                                        host.cout)

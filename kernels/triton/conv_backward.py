@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import conv2d, pack_conv
+from kernels.triton.conv import conv2d, pack_weights
 from kernels.triton.split import row_slices
 
 
@@ -89,5 +89,5 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
         spread[:, ::stride, ::stride] = dy
         dy = spread
     flipped = weight.transpose(0, 1).flip(2, 3)
-    packed = pack_conv(flipped, stride=1, pad=kh - 1 - pad, dtype=dy.dtype, device=dy.device)
+    packed = pack_weights(flipped, pad=kh - 1 - pad, dtype=dy.dtype)
     return conv2d(dy, packed, relu=False, precision=precision, tune=tune)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels.triton import batch_norm
-from kernels.triton.conv import conv2d, pack_conv
+from kernels.triton.conv import conv2d, pack_weights
 from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
 
 
 def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> torch.Tensor:
-    return conv2d(x, pack_conv(weight, stride=stride, pad=pad, dtype=x.dtype, device=x.device), relu=False, tune=tune)
+    return conv2d(x, pack_weights(weight, stride, pad, dtype=x.dtype), relu=False, tune=tune)
 
 
 @dataclass

@@ -10,7 +10,8 @@ Memory plan (what lives across the step, counted in `memory()`):
   moments; the max-pool's positions (int8); the pooled features.
 
 Still done by torch around the kernels (each a copy or a few per-channel vectors, the next things to fuse):
-packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast), the NHWC copy
+packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast, on the
+device: conv.pack_weights), the NHWC copy
 of an NCHW input, copying each gradient into its slice of the flat buffer, and the running statistics' update.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels.triton import batch_norm
-from kernels.triton.conv import conv2d, pack_conv
+from kernels.triton.conv import conv2d, pack_weights
 from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
 from kernels.triton.cross_entropy import cross_entropy
 from kernels.triton.pool import global_avg_pool
@@ -65,8 +66,7 @@ class TritonTrainStep:
             h, saved = block_forward(block, h, tune)
             saved_blocks.append(saved)
         features = global_avg_pool(h, tune=tune)  # [N, C]
-        fc = pack_conv(m.fc.weight.detach()[:, :, None, None], bias=m.fc.bias.detach(), dtype=self.dtype,
-                       device=x.device)
+        fc = pack_weights(m.fc.weight[:, :, None, None], bias=m.fc.bias, dtype=self.dtype)
         n, c = features.shape
         logits = conv2d(features.view(n, 1, 1, c), fc, relu=False, tune=tune).view(n, -1)
         loss, dlogits = cross_entropy(logits, labels)
