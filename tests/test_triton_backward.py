@@ -120,7 +120,7 @@ def test_one_sgd_launch_updates_every_parameter_as_torch_optim_sgd_does():
         grads.copy_(torch.randn(1500, generator=g))
         params[0].grad, params[1].grad = grads[:1000].view(10, 100).clone(), grads[1000:].clone()
         optimizer.step()
-        sgd_step(flat, grads, buf, lr=torch.tensor([0.1]), momentum=0.9, weight_decay=1e-4, first=step == 0)
+        sgd_step(flat, grads, buf, lr=torch.tensor([0.1]), momentum=0.9, weight_decay=1e-4)
     assert torch.allclose(flat, torch.cat([params[0].detach().flatten(), params[1].detach()]), atol=1e-6)
 
 
@@ -272,3 +272,29 @@ def test_the_training_steps_packing_on_the_device_gives_the_inference_packings_b
         assert torch.equal(ours.weight, host.weight) and torch.equal(ours.bias, host.bias)
         assert (ours.kh, ours.kw, ours.stride, ours.pad, ours.cout) == (host.kh, host.kw, host.stride, host.pad,
                                                                         host.cout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_captured_training_step_replays_the_steps_bits(dtype):
+    """--cuda-graph on (tiers/triton.py build_train, TritonTrainStep.capture): three replays of the captured step,
+    from the same weights, give the uncaptured step's losses, parameters, momentum-driven updates and running
+    statistics bit for bit: the warm-up steps before the capture leave no trace, and the first replay is a first
+    step."""
+    from core.cell import Cell, Store
+    from core.model import build_model
+    from tiers import get_tier
+
+    x = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(0)).cuda()
+    runs = []
+    for graph in (False, True):
+        cell = Cell(tier="triton", model="resnet50", batch=8, res=64, dtype=dtype, device="cuda", task="train",
+                    cuda_graph=graph, options=(("autotune", "off"),))
+        step = get_tier("triton").build_train(build_model("resnet50").train(), x, cell, Store())
+        losses = [step.forward(x).clone() for _ in range(3)]
+        runs.append((torch.stack(losses), {k: v.clone() for k, v in step.state().items()}))
+    (plain_losses, plain), (graph_losses, captured) = runs
+    assert torch.equal(plain_losses, graph_losses)
+    assert all(torch.equal(plain[k], captured[k]) for k in plain), [k for k in plain
+                                                                     if not torch.equal(plain[k], captured[k])]
+

@@ -81,6 +81,7 @@ class TritonTier(PythonTier):
     summary = "hand-written Triton kernels: implicit-GEMM NHWC convolutions with fused BN/residual/ReLU, autotuned"
     models = MODELS
     cuda_graph = True
+    cuda_graph_train = True  # the whole step captured after two warm-up steps, the state put back (train_resnet)
     # launch: each kernel through Triton's own launch path (jit; the CPU's default), or a forward recorded once and
     # replayed through the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the
     # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
@@ -196,18 +197,37 @@ class TritonTier(PythonTier):
         step = TritonTrainStep(net, torch_dtype(cell.dtype), rate, train.MOMENTUM, train.WEIGHT_DECAY,
                                tune=self.setting(cell, "autotune") == "on")
         targets = train.labels(cell.batch + 1, num_classes(net), cell.device)
+        stats = {"autotune": "interpreter" if tuning.INTERPRET else self.setting(cell, "autotune"),
+                 "interpreted": tuning.INTERPRET}
 
-        def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        def set_rate() -> None:
             if torch.is_tensor(lr):  # a schedule's rate, set in place before each step (train-to-accuracy)
                 rate.copy_(lr.reshape(1), non_blocking=True)
+
+        if cell.cuda_graph:  # the whole step one graph, over the example's buffer (which the worker passes)
+            labels = targets[: example.shape[0]]
+            graph, loss = step.capture(example, labels)
+
+            def replay(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+                set_rate()
+                if x is not example:
+                    example.copy_(x)
+                if y is not None:
+                    labels.copy_(y)
+                graph.replay()
+                return loss
+
+            return Built(forward=replay, state=lambda: train.state_of(net), captured=True,
+                         stats={**stats, "cuda_graph": True, "memory": step.memory()})
+
+        def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+            set_rate()
             loss = step(x, targets[: x.shape[0]] if y is None else y)
             if step.steps == 1:  # what the forward saves is known from the first step on
                 built.stats["memory"] = step.memory()
             return loss
 
-        built = Built(forward=forward, state=lambda: train.state_of(net), stats={
-            "autotune": "interpreter" if tuning.INTERPRET else self.setting(cell, "autotune"),
-            "interpreted": tuning.INTERPRET})
+        built = Built(forward=forward, state=lambda: train.state_of(net), stats=stats)
         return built
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",

@@ -92,12 +92,30 @@ class TritonTrainStep:
                 changed = hook(g)                               # training mutants: core/mutations.py)
                 g = g if changed is None else changed
             self.grad_of[p].copy_(g)
-        sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay,
-                 first=self.steps == 0)
+        sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay)
         for saved in every_bn:
             _update_running(saved)
         self.steps += 1
         return loss
+
+    def capture(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step on `x` and `labels` as a CUDA graph, and the loss tensor each replay writes: two steps on a side
+        stream first (every shape autotuned and compiled, the caches filled, as capture requires), then the capture;
+        the weights, momentum and running statistics are then put back as they were, so that the first replay is
+        the first step. Replays read `x` and `labels` (copy new batches into them) and the rate tensor."""
+        state = [t.clone() for t in (self.weights, self.momentum_buffer, *self.model.buffers())]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self(x, labels)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = self(x, labels)
+        for live, saved in zip((self.weights, self.momentum_buffer, *self.model.buffers()), state):
+            live.copy_(saved)
+        return graph, loss
 
     def memory(self) -> dict[str, int]:
         """Bytes of what the step keeps: weights, gradients, momentum, and (after the first step) what the forward
