@@ -1,5 +1,7 @@
 """What a person reads: the terminal at 80 columns, the plots beside ladder.md, the CSV, and compare's verdicts."""
+import contextlib
 import csv
+import io
 import json
 import os
 import subprocess
@@ -9,6 +11,7 @@ import pytest
 
 from conftest import FAST, REPO
 from harness import compare, plots, report, tables
+from harness.cli import main
 
 ENV80 = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
 # The two sweeps that compare judges run each cell on one intra-op thread. With two threads on a 2-core host, a cell
@@ -20,6 +23,24 @@ ONE_THREAD = {**ENV80, "OMP_NUM_THREADS": "1"}
 def harness(*args: str, env=ENV80, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def reads(*args: str) -> subprocess.CompletedProcess:
+    """A command that only reads records (compare, tiers) through harness.cli.main in this process, in an
+    80-column terminal: what `harness` returns, without a child that imports torch again (5-8 s a call on 2
+    cores)."""
+    out, err = io.StringIO(), io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as e:  # argparse's refusals
+                status = e.code
+    finally:
+        os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+    return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +123,7 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
         r.setdefault("contention", {})["flagged"] = False
     a = tmp_path / "a.json"
     a.write_text(json.dumps(doc))
-    same = harness("compare", str(a), str(a), "--markdown", str(tmp_path / "same.md"))
+    same = reads("compare", str(a), str(a), "--markdown", str(tmp_path / "same.md"))
     assert same.returncode == 0, same.stdout + same.stderr
     assert "0 regressions, 0 improvements, 4 within noise" in " ".join(same.stdout.split())
     busy = json.loads(a.read_text())
@@ -118,16 +139,16 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
     for r in busy["results"]:
         r.setdefault("contention", {})["flagged"] = True
     only_busy.write_text(json.dumps(busy))
-    nothing = harness("compare", str(a), str(only_busy))
+    nothing = reads("compare", str(a), str(only_busy))
     assert nothing.returncode == compare.NOTHING_JUDGED and "6 not judged" in " ".join(nothing.stdout.split())
     assert "nothing judged: none of the 6 cells" in " ".join(nothing.stdout.split())
-    assert harness("compare", str(a), str(only_busy), "--include-contended").returncode == 0
+    assert reads("compare", str(a), str(only_busy), "--include-contended").returncode == 0
     other = json.loads(a.read_text())
     for r in other["results"]:
         r["batch"] += 100
     disjoint = tmp_path / "disjoint.json"
     disjoint.write_text(json.dumps(other))
-    apart = harness("compare", str(a), str(disjoint))
+    apart = reads("compare", str(a), str(disjoint))
     assert apart.returncode == compare.NOTHING_JUDGED and "the runs share no cell" in apart.stdout
     shifted = json.loads(a.read_text())  # every cell 30% slower: inside each CPU cell's floor, not the run's
     for r in shifted["results"]:
@@ -135,7 +156,7 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
             r["latency_samples_ms"] = [v * 1.3 for v in r["latency_samples_ms"]]
             r["latency_ms"]["median"] *= 1.3
     (tmp_path / "shifted.json").write_text(json.dumps(shifted))
-    shift = harness("compare", str(a), str(tmp_path / "shifted.json"))
+    shift = reads("compare", str(a), str(tmp_path / "shifted.json"))
     assert shift.returncode == 1, shift.stdout + shift.stderr
     assert "0 regressions, 0 improvements, 4 within noise" in " ".join(shift.stdout.split())
     assert "run level, cpu cells (4): B/A geometric mean 1.300" in shift.stdout and "regression" in shift.stdout
@@ -146,10 +167,10 @@ def test_compare_same_cells_within_noise_and_a_slower_run_fails(sweep, tmp_path)
             r["latency_ms"]["median"] *= 2
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps(doc))
-    worse = harness("compare", str(a), str(slow), "--threshold", "3%")
+    worse = reads("compare", str(a), str(slow), "--threshold", "3%")
     assert worse.returncode == 1
     assert "4 regressions" in " ".join(worse.stdout.split())
-    better = harness("compare", str(slow), str(a))
+    better = reads("compare", str(slow), str(a))
     assert better.returncode == 0 and "4 improvements" in " ".join(better.stdout.split())
     assert "| verdict |" in (tmp_path / "same.md").read_text()
 
@@ -218,7 +239,7 @@ def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(s
     if busy:  # a cell measured beside other load says nothing about the code; the test needs an idle host
         pytest.skip(f"the host was busy while {len(busy)} eager cells were timed (other CPUs busy "
                     f"{max(r['contention']['other_cpus_busy'] for r in busy):.2f}): not a comparison of the code")
-    one = harness("compare", str(a), str(b), "--markdown", str(tmp_path / "one.md"))
+    one = reads("compare", str(a), str(b), "--markdown", str(tmp_path / "one.md"))
     assert one.returncode == 0, one.stdout + one.stderr
     assert "0 regressions, 0 improvements" in " ".join(one.stdout.split())
     (level,) = compare.run_shifts(compare.compare(compare.load_side([a]), compare.load_side([b]), 0.03), 0.03)
@@ -240,7 +261,7 @@ def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(s
                 r["latency_ms"]["median"] *= 3
         slow.append(tmp_path / f"slow{i}.json")
         slow[-1].write_text(json.dumps(doc))
-    worse = harness("compare", str(a), str(b), "--", *map(str, slow))
+    worse = reads("compare", str(a), str(b), "--", *map(str, slow))
     assert worse.returncode == 1, worse.stdout
     judged = [r for r in compare.compare(compare.load_side([a, b]), compare.load_side(slow), 0.03) if r["basis"]]
     assert judged and all(r["verdict"] == "regression" for r in judged)
@@ -249,19 +270,19 @@ def test_two_runs_of_the_same_code_are_neither_a_regression_nor_an_improvement(s
 def test_compare_refuses_sides_it_cannot_split(sweep):
     a = str(sweep[0] / "ladder.json")
     for argv in ((a, a, a), (a, "--"), ("--", a)):
-        proc = harness("compare", *argv)
+        proc = reads("compare", *argv)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (argv, proc.stderr)
 
 
 def test_compare_refuses_a_file_that_is_not_results(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
-    proc = harness("compare", str(bad), str(bad))
+    proc = reads("compare", str(bad), str(bad))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a ladder JSON document" in proc.stderr
 
 
 def test_tiers_fits_80_columns():
-    proc = harness("tiers")
+    proc = reads("tiers")
     assert proc.returncode == 0
     table = proc.stdout.split("Why not:")[0]
     assert max(len(line) for line in table.splitlines()) <= 80
