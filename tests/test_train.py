@@ -119,14 +119,16 @@ def final_within_points_of_eager(doc: dict, points: float) -> None:
 
 
 def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
-    """Every rung that trains here, the C++ libtorch program included (fed the same images, batch order and rates
+    """Python rungs (eager, torchscript) and the C++ libtorch program (fed the same images, batch order and rates
     through the contract's --train-data), and eager's twin in the other layout, reach 90% and end within 1.5 points
-    of eager; libtorch's curve is eager's within 1.5 points at every epoch, and the agreement table says so."""
+    of eager; libtorch's curve is eager's within 1.5 points at every epoch, and the agreement table says so.
+    compile trains through the same worker path as eager and torchscript; its compiled step is held by the training
+    ladder's test and the GPU runs, not compiled a second time here."""
     doc = train_to_accuracy(tmp_path, "--device", "cpu", "--epochs", "4",  # every rung past 97% at the 4th
-                            "--tiers", "eager,torchscript,compile,libtorch,onnxruntime,cudnn,test-segfault",
+                            "--tiers", "eager,torchscript,libtorch,onnxruntime,cudnn,test-segfault",
                             extra_tiers=True)
     assert doc["data"]["train_images"] + doc["data"]["test_images"] == 1797
-    assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "compile", "libtorch", "eager (nhwc)"}
+    assert {r["rung"] for r in doc["rungs"]} == {"eager", "torchscript", "libtorch", "eager (nhwc)"}
     for r in doc["rungs"]:
         assert len(r["curve"]) == 4 and r["final_test_accuracy"] >= 0.9, r
     final_within_points_of_eager(doc, 1.5)
@@ -188,10 +190,15 @@ def test_accuracy_refuses_a_data_dir_without_splits(tmp_path):
 
 
 @pytest.mark.gpu
-def test_the_triton_rung_trains_within_parity_and_every_training_mutant_fails():
+def test_the_triton_rung_trains_within_parity_and_every_training_mutant_fails(monkeypatch):
     """The triton rung's training step (kernels/triton/train_resnet.py) on ResNet-50, strict fp32 and bf16: the
-    right step passes the ladder's training check against eager fp32, and each training mutant fails it."""
+    right step passes the ladder's training check against eager fp32, and each training mutant fails it. Shapes
+    missing from the tuning tables run their untuned configuration: autotuning each of them first took this test
+    past 170 s on the H200."""
     from harness.mutations import MutationConfig, caught, training_rows
+    from kernels.triton import tuning
+
+    monkeypatch.setattr(tuning, "NO_AUTOTUNE", True)
 
     rows = training_rows(MutationConfig(model="resnet50", device="cuda", rungs=("triton",),
                                         train_dtypes=("fp32", "bf16"), train_batch=8, train_res=64))
