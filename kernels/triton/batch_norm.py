@@ -180,12 +180,6 @@ def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, (m2.sum(0) + (counts * (means - mean) ** 2).sum(0)) / p
 
 
-def add(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """u + v (NHWC, one shape): where a block's two gradients meet at its input."""
-    ones, zeros = _identity(u.shape[-1], u.device)
-    return _affine(u, ones, zeros, v, ones)
-
-
 @functools.lru_cache(maxsize=None)
 def _identity(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The affine map's per-channel identity (ones, zeros; fp32), made once per width and device rather than in

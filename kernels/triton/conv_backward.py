@@ -78,9 +78,10 @@ def _tile(channels: int) -> int:
 
 
 def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, input_hw: tuple[int, int],
-                      precision: str = "ieee", tune: bool = True) -> torch.Tensor:
+                      precision: str = "ieee", tune: bool = True, add: torch.Tensor | None = None) -> torch.Tensor:
     """dx of a convolution, NHWC in dy's dtype: `dy` the NHWC gradient of its output, `weight` its [COUT, CIN, KH,
-    KW] weights, `input_hw` its input's height and width."""
+    KW] weights, `input_hw` its input's height and width. `add`: another gradient of the same input (a block's
+    shortcut), summed into dx in the epilogue in fp32 and rounded once, with no pass of its own."""
     n, oh, ow, cout = dy.shape
     kh, kw = weight.shape[2:]
     h, w = input_hw
@@ -90,4 +91,4 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
         dy = spread
     flipped = weight.transpose(0, 1).flip(2, 3)
     packed = pack_weights(flipped, pad=kh - 1 - pad, dtype=dy.dtype)
-    return conv2d(dy, packed, relu=False, precision=precision, tune=tune)
+    return conv2d(dy, packed, residual=add, relu=False, precision=precision, tune=tune)

@@ -1,13 +1,13 @@
 """A ResNet block's training forward and backward composed from the Triton kernels (issue 60): the step from
 which the network's is built, block by block. The forward keeps what the backward reads (each convolution's input,
 each batch norm's input, batch moments and output, whose sign is its ReLU's mask); the backward runs the block in
-reverse, the shortcut's gradient added to the main path's at the block's input.
+reverse, the shortcut's gradient added to the main path's at the block's input (in conv1's data-gradient epilogue).
 
 torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(conv3(relu(bn2(conv2(relu(bn1(
 conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.
 BasicBlock: out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), the stride on conv1.
-Convolutions without bias, as torchvision's. Not fused yet: the two gradients at the block's input are summed by
-an add of their own (the cuDNN rung does it in the data gradient's epilogue)."""
+Convolutions without bias, as torchvision's. The two gradients at the block's input meet in conv1's data
+gradient's epilogue (as the cuDNN rung does), not in a pass of their own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,9 +64,10 @@ def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tens
     return h, saved + ([down] if down else [])
 
 
-def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_grad=True):
+def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_grad=True, add=None):
     """Through one batch norm (and its ReLU) and convolution: fills `grads` by parameter, returns the gradient at
-    the convolution's input (None without `input_grad`; and the residual's, where asked)."""
+    the convolution's input, with `add` summed into it (None without `input_grad`; and the residual's, where
+    asked)."""
     conv, bn = saved.conv, saved.bn
     out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
                               y=saved.out if saved.relu else None, residual=residual)
@@ -74,8 +75,8 @@ def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]
     grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad)
-    dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune) if input_grad \
-        else None
+    dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune, add=add) \
+        if input_grad else None
     return (dx, out[3]) if residual else dx
 
 
@@ -84,8 +85,8 @@ def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = Tru
     grads: dict = {}
     last = len(main_path(block)) - 1
     d, d_shortcut = conv_bn_backward(dy, saved[last], tune, grads, residual=True)
-    for s in reversed(saved[:last]):
-        d = conv_bn_backward(d, s, tune, grads)
-    if block.downsample:
+    if block.downsample:  # first, so that conv1's data gradient can add it in its epilogue
         d_shortcut = conv_bn_backward(d_shortcut, saved[last + 1], tune, grads)
-    return batch_norm.add(d, d_shortcut), grads
+    for i in reversed(range(last)):
+        d = conv_bn_backward(d, saved[i], tune, grads, add=d_shortcut if i == 0 else None)
+    return d, grads
