@@ -24,7 +24,7 @@ from core.layers import Layer, distinct_layers, layer_net
 from core.model import load_model
 from core.parity import compare
 from core.placement import set_math_mode
-from harness.worker import Clock, prepare_input, sync_of
+from harness.timing import Clock, prepare_input, sync_of
 from tiers import get_tier
 
 WARMUP = 10
