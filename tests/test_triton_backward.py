@@ -216,7 +216,9 @@ def test_two_training_steps_are_eager_steps():
     momentum) from the same weights on the same batch, against core.train's eager step in fp64: each step's loss,
     every parameter tensor's update and every running statistic within 4x of eager's own fp32 step's error (or
     2e-5). Basic blocks: the bottleneck's composition is held to autograd block by block above, at a fifth of the
-    time. A training mutant (a gradient hook, core/mutations.py) reaches the step as it reaches autograd's."""
+    time. A training mutant (a gradient hook, core/mutations.py) reaches the step as it reaches autograd's. The
+    first step runs under the profiler with the census's layer scopes."""
+    import contextlib
     import copy
 
     from core import train
@@ -234,10 +236,17 @@ def test_two_training_steps_are_eager_steps():
     step = get_tier("triton").build_train(model, x, cell, Store(), lr=rate)
     for i in range(2):
         want = ref_step(x.double(), labels).item()
-        assert abs(step.forward(x, labels).item() - want) <= max(4 * abs(eager_step(x, labels).item() - want),
-                                                                 1e-6 * want)
+        with torch.profiler.profile() if i == 0 else contextlib.nullcontext() as prof, \
+                step.layer_scopes() if i == 0 else contextlib.nullcontext():
+            got = step.forward(x, labels).item()
+        assert abs(got - want) <= max(4 * abs(eager_step(x, labels).item() - want), 1e-6 * want)
         if i == 0:  # state(): the live tensors
             first = {k: v.clone() for k, v in step.state().items()}
+            # the census's layer groups: each part of the step in its module's range, the backward's twice over
+            names = [e.name for e in prof.events()]
+            assert {"layer:conv1+bn1+relu+maxpool", "layer:layer4.0", "layer:avgpool+fc", "layer:loss",
+                    "layer:optimizer", "triton_step_backward"} <= set(names)
+            assert names.count("layer:layer1.0") == names.count("layer:conv1+bn1+relu+maxpool") == 2
     ours, theirs, fp64 = step.state(), train.state_of(eager), train.state_of(ref)
     assert ours.keys() == fp64.keys()
 

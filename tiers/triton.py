@@ -227,7 +227,8 @@ class TritonTier(PythonTier):
                 built.stats["memory"] = step.memory()
             return loss
 
-        built = Built(forward=forward, state=lambda: train.state_of(net), stats=stats)
+        built = Built(forward=forward, state=lambda: train.state_of(net), stats=stats,
+                      layer_scopes=lambda: step.layer_scopes(SCOPE))
         return built
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",

@@ -16,6 +16,9 @@ of an NCHW input, copying each gradient into its slice of the flat buffer, and t
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from kernels.triton import batch_norm
@@ -26,6 +29,9 @@ from kernels.triton.pool import global_avg_pool
 from kernels.triton.pool_backward import global_avg_pool_backward, max_pool_backward, max_pool_forward
 from kernels.triton.sgd import sgd_step
 from kernels.triton.train_block import Saved, block_backward, block_forward, conv_bn, conv_bn_backward
+
+
+STEM_PATH, HEAD_PATH = "conv1+bn1+relu+maxpool", "avgpool+fc"  # their modules, as the census names a fused kernel
 
 
 class TritonTrainStep:
@@ -52,51 +58,77 @@ class TritonTrainStep:
             p.data = self.weights[at:at + n].view_as(p)
             self.grad_of[p] = self.grads[at:at + n].view_as(p)
             at += n
-        self.blocks = [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
+        self.blocks = [(f"{name}.{i}", block) for name in ("layer1", "layer2", "layer3", "layer4")
+                       for i, block in enumerate(getattr(model, name))]
+        self.scoped: str | None = None  # layer_scopes' prefix: profiler ranges for the census
         self.steps = 0
         self.saved_bytes = 0
 
     def __call__(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        m, tune = self.model, self.tune
-        x = x.permute(0, 2, 3, 1).to(self.dtype).contiguous()  # NHWC: a view of a channels_last fp32 input
-        stem = conv_bn(x, m.conv1, m.bn1, tune)
-        h, positions = max_pool_forward(stem.out)
+        m, tune, scope = self.model, self.tune, self._scope
+        with scope(STEM_PATH):
+            x = x.permute(0, 2, 3, 1).to(self.dtype).contiguous()  # NHWC: a view of a channels_last fp32 input
+            stem = conv_bn(x, m.conv1, m.bn1, tune)
+            h, positions = max_pool_forward(stem.out)
         saved_blocks = []
-        for block in self.blocks:
-            h, saved = block_forward(block, h, tune)
+        for path, block in self.blocks:
+            with scope(path):
+                h, saved = block_forward(block, h, tune)
             saved_blocks.append(saved)
-        features = global_avg_pool(h, tune=tune)  # [N, C]
-        fc = pack_weights(m.fc.weight[:, :, None, None], bias=m.fc.bias, dtype=self.dtype)
-        n, c = features.shape
-        logits = conv2d(features.view(n, 1, 1, c), fc, relu=False, tune=tune).view(n, -1)
-        loss, dlogits = cross_entropy(logits, labels)
+        with scope(HEAD_PATH):
+            features = global_avg_pool(h, tune=tune)  # [N, C]
+            fc = pack_weights(m.fc.weight[:, :, None, None], bias=m.fc.bias, dtype=self.dtype)
+            n, c = features.shape
+            logits = conv2d(features.view(n, 1, 1, c), fc, relu=False, tune=tune).view(n, -1)
+        with scope("loss"):
+            loss, dlogits = cross_entropy(logits, labels)
         every_bn = [stem, *(s for saved in saved_blocks for s in saved)]
         if not self.steps:
             self.saved_bytes = _bytes([positions, features, *every_bn])
 
         grads: dict = {}
-        dlogits4 = dlogits.view(n, 1, 1, -1)
-        grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0).reshape(
-            m.fc.weight.shape)
-        grads[m.fc.bias] = batch_norm.channel_sum(dlogits)
-        dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1), tune=tune)
-        dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
-        for block, saved in zip(reversed(self.blocks), reversed(saved_blocks)):
-            dh, block_grads = block_backward(block, saved, dh, tune)
-            grads.update(block_grads)
-        dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
-        conv_bn_backward(dstem, stem, tune, grads, input_grad=False)
+        with torch.profiler.record_function("triton_step_backward") if self.scoped else contextlib.nullcontext():
+            with scope(HEAD_PATH):
+                dlogits4 = dlogits.view(n, 1, 1, -1)
+                grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0).reshape(
+                    m.fc.weight.shape)
+                grads[m.fc.bias] = batch_norm.channel_sum(dlogits)
+                dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1),
+                                              tune=tune)
+                dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
+            for (path, block), saved in zip(reversed(self.blocks), reversed(saved_blocks)):
+                with scope(path):
+                    dh, block_grads = block_backward(block, saved, dh, tune)
+                grads.update(block_grads)
+            with scope(STEM_PATH):
+                dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
+                conv_bn_backward(dstem, stem, tune, grads, input_grad=False)
 
-        for p, g in grads.items():
-            for hook in (p._backward_hooks or {}).values():  # its gradient hooks, as autograd runs them (the
-                changed = hook(g)                               # training mutants: core/mutations.py)
-                g = g if changed is None else changed
-            self.grad_of[p].copy_(g)
-        sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay)
-        for saved in every_bn:
-            _update_running(saved)
+        with scope("optimizer"):
+            for p, g in grads.items():
+                for hook in (p._backward_hooks or {}).values():  # its gradient hooks, as autograd runs them (the
+                    changed = hook(g)                               # training mutants: core/mutations.py)
+                    g = g if changed is None else changed
+                self.grad_of[p].copy_(g)
+            sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay)
+            for saved in every_bn:
+                _update_running(saved)
         self.steps += 1
         return loss
+
+    @contextlib.contextmanager
+    def layer_scopes(self, prefix: str) -> Iterator[None]:
+        """While it lasts, each part of the step runs inside a profiler range named `prefix` + the module path it
+        computes ('layer1.0'; the stem's and the head's modules joined by '+'; 'loss', 'optimizer'), the
+        backward's inside a range whose name ends in '_backward': the census's layer groups and phases."""
+        self.scoped = prefix
+        try:
+            yield
+        finally:
+            self.scoped = None
+
+    def _scope(self, path: str):
+        return torch.profiler.record_function(self.scoped + path) if self.scoped else contextlib.nullcontext()
 
     def capture(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step on `x` and `labels` as a CUDA graph, and the loss tensor each replay writes: two steps on a side
