@@ -12,8 +12,8 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
   padding) and accumulates in fp32.
 
 The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py). First
-versions, correct before fast: fixed tiles, and the strided data gradient materialises the spread dy
-(4x its bytes at stride 2). tests/test_triton_backward.py holds both against PyTorch's autograd."""
+versions, correct before fast: fixed tiles, and the strided 3x3's data gradient materialises the spread dy (4x its
+bytes and its work at stride 2; a strided 1x1 needs no spread: its dx is dy times W^T on the pixels it reads). tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
 import torch
@@ -85,6 +85,13 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
     n, oh, ow, cout = dy.shape
     kh, kw = weight.shape[2:]
     h, w = input_hw
+    if stride > 1 and (kh, kw, pad) == (1, 1, 0) and add is None:
+        # A downsample reads every stride-th pixel and nothing else: its dx there is dy times W^T, zero elsewhere (a
+        # quarter of the spread path's work at stride 2).
+        dx = dy.new_zeros((n, h, w, weight.shape[1]))
+        dx[:, ::stride, ::stride] = conv2d(dy, pack_weights(weight.transpose(0, 1), dtype=dy.dtype), relu=False,
+                                           precision=precision, tune=tune)
+        return dx
     if stride > 1:  # onto the (padded) input's grid of window starts: the rest, the edge's included, stays zero
         spread = dy.new_zeros((n, h + 2 * pad - kh + 1, w + 2 * pad - kw + 1, cout))
         spread[:, ::stride, ::stride] = dy
