@@ -10,9 +10,11 @@ Both directions are a per-channel reduction (a pass over the batch) and then a p
 tensors (another pass): `forward`'s y = a*x + b (with a block's residual added and its ReLU where asked),
 `backward`'s dx = k1*dy + k2*x + k3 with the coefficients folded on the host (dy through the ReLU first, its mask
 read from the forward's output). In NHWC a channel is a column, so a program owns a block of columns and walks the
-rows; the moments are taken in two passes (mean, then the centred squares) so that a large mean does not cancel the variance.
+rows; the moments in one pass, each row block's mean and centred squares merged into the running ones (Chan et al.),
+so that a large mean does not cancel the variance.
 
-The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py); nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
+The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py); nothing is fused into the
+convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 

@@ -432,8 +432,8 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
     the input, K-major, and with `output_amax` too (the largest |output|), writing its output in e4m3. `tf32`: fp32
     weights rounded to nearest TF32, for a network whose products are TF32's."""
     w, b = fold_batch_norm(weight, bn, bias)
-    cout, cin, kh, kw = w.shape
-    packed = w.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
+    cout, _, kh, kw = w.shape
+    packed = _gemm_rows(w)
     bias32 = b.to(device, torch.float32).contiguous()
     if input_amax is not None:
         w_scale = packed.abs().amax(0).clamp_min(1e-30) / E4M3_MAX  # per output channel
@@ -458,10 +458,16 @@ def pack_weights(weight: torch.Tensor, stride: int = 1, pad: int = 0, bias: torc
     host in fp64, a copy each way and host work per convolution: in a ResNet-50 step, 108 synchronising copies and
     most of its 326 ms of host time, H200.) The same bits as pack_conv's: fp32 to fp64 is exact, so either path
     rounds once to `dtype`."""
-    cout, cin, kh, kw = weight.shape
-    packed = weight.detach().permute(2, 3, 1, 0).reshape(kh * kw * cin, cout).to(dtype).contiguous()
+    cout, _, kh, kw = weight.shape
+    packed = _gemm_rows(weight.detach()).to(dtype).contiguous()
     b = bias.detach().float().contiguous() if bias is not None else _zero_bias(cout, weight.device)
     return PackedConv(packed, b, kh, kw, stride, pad, cout)
+
+
+def _gemm_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[COUT, CIN, KH, KW] as the implicit GEMM's [KH*KW*CIN, COUT]: rows ordered (kh, kw, cin), as NHWC windows."""
+    cout, cin, kh, kw = weight.shape
+    return weight.permute(2, 3, 1, 0).reshape(kh * kw * cin, cout)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,8 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
 
 The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py). First
 versions, correct before fast: fixed tiles, and the strided 3x3's data gradient materialises the spread dy (4x its
-bytes and its work at stride 2; a strided 1x1 needs no spread: its dx is dy times W^T on the pixels it reads). tests/test_triton_backward.py holds both against PyTorch's autograd."""
+bytes and its work at stride 2; a strided 1x1 needs no spread: its dx is dy times W^T on the pixels it reads).
+tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
 import torch

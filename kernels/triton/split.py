@@ -6,6 +6,8 @@ program reduces its own slice into a partial result, and the partials are combin
 give."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -17,9 +19,14 @@ def row_slices(rows: int, column_programs: int, block_rows: int, device: torch.d
     """(slices, rows per slice; a multiple of block_rows) for a reduction over `rows` whose columns already take
     `column_programs` programs. On the CPU (the interpreter) four programs in all, so that the tests exercise the
     combination of partials."""
-    target = (torch.cuda.get_device_properties(device).multi_processor_count * WAVES if device.type == "cuda"
-              else 4)
+    target = _target_programs(device)
     steps = triton.cdiv(rows, block_rows)
     slices = max(1, min(triton.cdiv(target, column_programs), steps // MIN_STEPS or 1))
     per_slice = triton.cdiv(steps, slices) * block_rows
     return triton.cdiv(rows, per_slice), per_slice
+
+
+@functools.lru_cache(maxsize=None)
+def _target_programs(device: torch.device) -> int:
+    """Programs to aim for on `device`, asked once (every batch norm and weight gradient of a step asks)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count * WAVES if device.type == "cuda" else 4

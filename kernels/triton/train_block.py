@@ -1,7 +1,7 @@
 """A ResNet block's training forward and backward composed from the Triton kernels (issue 60): the step from
 which the network's is built, block by block. The forward keeps what the backward reads (each convolution's input,
 each batch norm's input, batch moments and output, whose sign is its ReLU's mask); the backward runs the block in
-reverse, the shortcut's gradient added to the main path's at the block's input (in conv1's data-gradient epilogue).
+reverse, the shortcut's gradient added to the main path's at the block's input.
 
 torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(conv3(relu(bn2(conv2(relu(bn1(
 conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.

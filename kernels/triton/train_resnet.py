@@ -11,8 +11,8 @@ Memory plan (what lives across the step, counted in `memory()`):
 
 Still done by torch around the kernels (each a copy or a few per-channel vectors, the next things to fuse):
 packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast, on the
-device: conv.pack_weights), the NHWC copy
-of an NCHW input, copying each gradient into its slice of the flat buffer, and the running statistics' update.
+device: conv.pack_weights), the NHWC copy of an NCHW input, copying each gradient into its slice of the flat
+buffer, and the running statistics' update.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class TritonTrainStep:
             self.saved_bytes = _bytes([positions, features, *every_bn])
 
         grads: dict = {}
-        with torch.profiler.record_function("triton_step_backward") if self.scoped else contextlib.nullcontext():
+        with self._range("triton_step_backward"):
             with scope(HEAD_PATH):
                 dlogits4 = dlogits.view(n, 1, 1, -1)
                 grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0).reshape(
@@ -127,15 +127,19 @@ class TritonTrainStep:
         finally:
             self.scoped = None
 
+    def _range(self, name: str):
+        return torch.profiler.record_function(name) if self.scoped else contextlib.nullcontext()
+
     def _scope(self, path: str):
-        return torch.profiler.record_function(self.scoped + path) if self.scoped else contextlib.nullcontext()
+        return self._range(f"{self.scoped}{path}")
 
     def capture(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step on `x` and `labels` as a CUDA graph, and the loss tensor each replay writes: two steps on a side
         stream first (every shape autotuned and compiled, the caches filled, as capture requires), then the capture;
         the weights, momentum and running statistics are then put back as they were, so that the first replay is
         the first step. Replays read `x` and `labels` (copy new batches into them) and the rate tensor."""
-        state = [t.clone() for t in (self.weights, self.momentum_buffer, *self.model.buffers())]
+        live = (self.weights, self.momentum_buffer, *self.model.buffers())
+        state = [t.clone() for t in live]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -145,8 +149,8 @@ class TritonTrainStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = self(x, labels)
-        for live, saved in zip((self.weights, self.momentum_buffer, *self.model.buffers()), state):
-            live.copy_(saved)
+        for tensor, saved in zip(live, state):
+            tensor.copy_(saved)
         return graph, loss
 
     def memory(self) -> dict[str, int]:
