@@ -24,6 +24,21 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A GPU test runs in a child pytest with Triton compiling its kernels when this process has Triton's interpreter
+    on: collecting the CPU layer's Triton tests switches it on for the whole process (it must precede triton's first
+    import), and a kernel the interpreter wraps cannot launch on the GPU."""
+    if not (GPU and "gpu" in pyfuncitem.keywords and os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+                          cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{pyfuncitem.nodeid} in a child without the interpreter:\n{proc.stdout[-6000:]}"
+    return True
+
+
 from core.paths import REPO  # noqa: E402  (after TRITON_INTERPRET)
 
 # A protocol small enough for the CPU: the measurement code paths are all exercised, just briefly.
