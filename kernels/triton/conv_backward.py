@@ -9,7 +9,8 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
 - **Weight gradient**, dW[r, s, c, k] = sum over output pixels p of x[window(p) + (r, s), c] * dy[p, k]: for each
   kernel tap (r, s), a GEMM [CIN x P] @ [P x COUT] whose reduction runs over the N*OH*OW output pixels.
   conv2d_weight_grad_kernel gathers x's rows at the tap's offset as the forward gathers its windows (zeros in the
-  padding) and accumulates in fp32.
+  padding) and accumulates in fp32. Over fewer than 16 input channels (the stem's 3) a tile's rows run over
+  (r, s, c) together instead, so that dy is read once per 64 of the KH*KW*CIN rows, not once per tap.
 
 The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py). First
 versions, correct before fast: fixed tiles, and the strided 3x3's data gradient materialises the spread dy (4x its
@@ -24,35 +25,48 @@ import triton.language as tl
 from kernels.triton.conv import conv2d, pack_weights
 from kernels.triton.split import row_slices
 
+MIN_TILE = 16  # tl.dot's smallest side
+
 
 @triton.jit
 def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD, ROWS, TAPS,
-                              KW: tl.constexpr, PRECISION: tl.constexpr, BLOCK_C: tl.constexpr,
-                              BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One [BLOCK_C x BLOCK_K] tile of one tap's dW (program axis 2: the slice * TAPS + the tap r * KW + s),
-    reduced over one slice of ROWS output pixels: the slice's partial dW, stored [slices, KH, KW, CIN, COUT],
-    COUT fastest."""
+                              TILE_ROWS, KW: tl.constexpr, TAPS_IN_TILE: tl.constexpr, PRECISION: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One [BLOCK_C x BLOCK_K] tile of dW, reduced over one slice of ROWS output pixels: the slice's partial dW,
+    stored [slices, KH, KW, CIN, COUT], COUT fastest. The tile's rows are input channels of one tap (program axis
+    2: the slice * TAPS + the tap r * KW + s), or, with TAPS_IN_TILE, rows of the flattened (r, s, c) axis, so
+    that a convolution over a few channels (the stem's 3) reads dy once per tile of its KH*KW*CIN rows instead of
+    once per tap (TAPS is then 1). TILE_ROWS: the rows of dW one program-axis-2 index owns (CIN, or KH*KW*CIN)."""
     tap = tl.program_id(2) % TAPS
     start = tl.program_id(2) // TAPS * ROWS
     end = tl.minimum(start + ROWS, P)
-    r, s = tap // KW, tap % KW
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    c_ok, k_ok = offs_c < CIN, offs_k < COUT
+    c_ok, k_ok = offs_c < TILE_ROWS, offs_k < COUT
+    if TAPS_IN_TILE:  # offs_c indexes (r, s, c), c fastest: the layout dW is stored in
+        r, s, c = offs_c // (KW * CIN), offs_c // CIN % KW, offs_c % CIN
+    else:
+        r, s, c = tap // KW, tap % KW, offs_c
     acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
     for p0 in range(start, end, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         p_ok = offs_p < end
         n, pixel = offs_p // (OH * OW), offs_p % (OH * OW)
-        ih = (pixel // OW) * STRIDE + r - PAD  # the input pixel this tap of the output pixel's window reads
-        iw = (pixel % OW) * STRIDE + s - PAD
-        inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        rows = ((n * H + ih) * W + iw) * CIN
-        xt = tl.load(x_ptr + rows[None, :] + offs_c[:, None], mask=inside[None, :] & c_ok[:, None], other=0.0)
+        if TAPS_IN_TILE:  # each row its own tap: the input pixel per (row, output pixel)
+            ih = (pixel // OW)[None, :] * STRIDE + r[:, None] - PAD
+            iw = (pixel % OW)[None, :] * STRIDE + s[:, None] - PAD
+            inside = p_ok[None, :] & c_ok[:, None] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            xt = tl.load(x_ptr + ((n[None, :] * H + ih) * W + iw) * CIN + c[:, None], mask=inside, other=0.0)
+        else:  # one tap for the tile: the input pixel this tap of the output pixel's window reads
+            ih = (pixel // OW) * STRIDE + r - PAD
+            iw = (pixel % OW) * STRIDE + s - PAD
+            inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            rows = ((n * H + ih) * W + iw) * CIN
+            xt = tl.load(x_ptr + rows[None, :] + c[:, None], mask=inside[None, :] & c_ok[:, None], other=0.0)
         dyt = tl.load(dy_ptr + offs_p[:, None] * COUT + offs_k[None, :], mask=p_ok[:, None] & k_ok[None, :],
                       other=0.0)
         acc += tl.dot(xt, dyt, input_precision=PRECISION)
-    out = (tl.program_id(2) * CIN + offs_c[:, None]) * COUT + offs_k[None, :]
+    out = (tl.program_id(2) * TILE_ROWS + offs_c[:, None]) * COUT + offs_k[None, :]
     tl.store(dw_ptr + out, acc, mask=c_ok[:, None] & k_ok[None, :])
 
 
@@ -62,20 +76,21 @@ def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stri
     gradient of its output (both contiguous, one dtype)."""
     n, h, w, cin = x.shape
     _, oh, ow, cout = dy.shape
-    block_c, block_k, block_p = _tile(cin), _tile(cout), 32
-    tiles = triton.cdiv(cin, block_c) * triton.cdiv(cout, block_k) * kh * kw
+    taps_in_tile = cin < MIN_TILE  # one tap's channels would leave most of a tile's rows empty
+    tile_rows, tap_programs = (kh * kw * cin, 1) if taps_in_tile else (cin, kh * kw)
+    block_c, block_k, block_p = _tile(tile_rows), _tile(cout), 32
+    tiles = triton.cdiv(tile_rows, block_c) * triton.cdiv(cout, block_k) * tap_programs
     slices, rows = row_slices(n * oh * ow, tiles, block_p, x.device)
     dw = torch.empty((slices, kh, kw, cin, cout), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(cin, block_c), triton.cdiv(cout, block_k), slices * kh * kw)
-    conv2d_weight_grad_kernel[grid](x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows, kh * kw,
-                                    kw, precision, block_c, block_k, block_p)
+    grid = (triton.cdiv(tile_rows, block_c), triton.cdiv(cout, block_k), slices * tap_programs)
+    conv2d_weight_grad_kernel[grid](x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows,
+                                    tap_programs, tile_rows, kw, taps_in_tile, precision, block_c, block_k, block_p)
     return dw.sum(0).permute(3, 2, 0, 1)  # the slices in a fixed order: the same bits every call
 
 
 def _tile(channels: int) -> int:
-    """A tile side for one channel axis of dW: 64, or the power of two that holds a narrower axis (at least 16,
-    tl.dot's smallest)."""
-    return min(64, max(16, triton.next_power_of_2(channels)))
+    """A tile side for one axis of dW: 64, or the power of two that holds a narrower axis (at least MIN_TILE)."""
+    return min(64, max(MIN_TILE, triton.next_power_of_2(channels)))
 
 
 def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, input_hw: tuple[int, int],
