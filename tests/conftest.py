@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,23 @@ def ladder_command(out: Path, *args: str, extra_tiers: bool = False) -> tuple[li
 def ladder(out: Path, *args: str, extra_tiers: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
     argv, env = ladder_command(out, *args, extra_tiers=extra_tiers)
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def eager_cell_run(tmp_path_factory) -> Path:
+    """One finished one-cell CPU ladder (eager, batch 1, res 32) for the tests that resume, rerun or interrupt a
+    finished run: each works on its own copy (`copy_run`) instead of running a ladder of its own first (three
+    processes that import torch: 15-30 s here)."""
+    out = tmp_path_factory.mktemp("eager-cell")
+    proc = ladder(out, "--tiers", "eager", "--batch", "1", "--res", "32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    """A copy of a finished run directory, without its lock (nothing in a run names its own path)."""
+    shutil.copytree(run, to, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".lock"))
+    return to
 
 
 def records(out: Path) -> list[dict]:

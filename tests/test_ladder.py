@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.rundir import read_jsonl as records_in
-from tests.conftest import FAST, REPO, ladder, ladder_command, records
+from tests.conftest import FAST, REPO, copy_run, ladder, ladder_command, records
 
 
 def test_python_rungs_pass_parity(python_rungs):
@@ -124,8 +124,8 @@ def test_ctrl_c_keeps_every_finished_cell(tmp_path):
     assert [(r["tier"], r["status"]) for r in records(tmp_path)] == [("eager", "ok"), ("test-hangs", "interrupted")]
 
 
-def test_resume_skips_recorded_cells(tmp_path):
-    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+def test_resume_skips_recorded_cells(eager_cell_run, tmp_path):
+    copy_run(eager_cell_run, tmp_path)
     first = (tmp_path / "results.jsonl").read_text().splitlines()
     proc = ladder(tmp_path, "--tiers", "eager,torchscript", "--batch", "1", "--res", "32")
     assert proc.returncode == 0 and "1 already recorded" in proc.stdout
@@ -203,8 +203,8 @@ def test_ladder_runs_from_any_directory(tmp_path):
     assert (out / "ladder.md").exists()
 
 
-def test_rerun_with_another_protocol_is_refused(tmp_path):
-    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+def test_rerun_with_another_protocol_is_refused(eager_cell_run, tmp_path):
+    copy_run(eager_cell_run, tmp_path)
     proc = ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32", "--isolation", "cell")
     assert proc.returncode == 2
     assert "holds a run with another isolation" in proc.stderr and "give another --out" in proc.stderr
@@ -294,11 +294,11 @@ def test_sigterm_in_the_prepare_stage_ends_the_ladder_at_once(tmp_path):
     assert not alive(descendants(proc.pid) | kids)
 
 
-def test_sigterm_while_the_reports_are_written_ends_at_once_and_leaves_them_valid(tmp_path):
+def test_sigterm_while_the_reports_are_written_ends_at_once_and_leaves_them_valid(eager_cell_run, tmp_path):
     """A rerun of a finished ladder goes straight to its reports; SIGTERM as the table is shown, while the JSON,
     markdown and plots are written: one line, exit 130, within seconds, each report whole (old or new), no
     temporary file left."""
-    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+    copy_run(eager_cell_run, tmp_path)
     before = (tmp_path / "ladder.json").read_text()
     argv, env = ladder_command(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32")
     proc = subprocess.Popen(argv, cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
@@ -364,8 +364,8 @@ def test_a_reason_that_looks_like_markup_is_shown_verbatim(tmp_path):
     assert rep.returncode == 0 and reason in rep.stdout
 
 
-def test_a_torn_results_file_is_read_and_resumed(tmp_path):
-    assert ladder(tmp_path, "--tiers", "eager", "--batch", "1", "--res", "32").returncode == 0
+def test_a_torn_results_file_is_read_and_resumed(eager_cell_run, tmp_path):
+    copy_run(eager_cell_run, tmp_path)
     results = tmp_path / "results.jsonl"
     with open(results, "a") as f:
         f.write('{"key": "torchscript[]/resnet50/b1')  # a crash mid-write: torn, and no newline
