@@ -1,10 +1,14 @@
 """The Triton convolution gradients (kernels/triton/conv_backward.py) against PyTorch's autograd, on odd shapes,
 under the interpreter on the CPU (the kernels themselves, real Triton)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+from kernels.triton.conv_backward import WEIGHT_GRAD_CONFIGS, conv2d_input_grad, conv2d_weight_grad
 
 # (kernel, stride, padding, input channels, output channels, input size): every convolution kind of a ResNet (the
 # stem's 7x7/2 over 3 channels, 3x3/1 and 3x3/2, 1x1/1 and the downsample's 1x1/2) at sizes that leave edges:
@@ -266,6 +270,18 @@ def test_two_training_steps_are_eager_steps():
     gains = {name: train._gain(value - initial[name], first[name] - initial[name])
              for name, value in wrong.state().items() if name.startswith("param.")}
     assert abs(gains["param.layer2.0.conv1.weight"] - 0.7) < 0.01 and abs(gains["param.bn1.weight"] - 1) < 1e-3
+
+
+def test_every_weight_gradient_configuration_compiles_for_hopper():
+    """The autotuner's configurations, which the interpreter never compiles: each through Triton's compiler and
+    ptxas for sm90 (tests/hopper_compile.py), by taps and with the taps in the tile."""
+    from core.paths import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,9 +12,10 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
   padding) and accumulates in fp32. Over fewer than 16 input channels (the stem's 3) a tile's rows run over
   (r, s, c) together instead, so that dy is read once per 64 of the KH*KW*CIN rows, not once per tap.
 
-The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py). First
-versions, correct before fast: fixed tiles, and the strided 3x3's data gradient materialises the spread dy (4x its
-bytes and its work at stride 2; a strided 1x1 needs no spread: its dx is dy times W^T on the pixels it reads).
+The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py), its
+tile autotuned as the forward's is (kernels/triton/tuning.py). Still a first version, correct before fast: the
+strided 3x3's data gradient materialises the spread dy (4x its bytes and its work at stride 2; a strided 1x1
+needs no spread: its dx is dy times W^T on the pixels it reads).
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
@@ -24,10 +25,33 @@ import triton.language as tl
 
 from kernels.triton.conv import conv2d, pack_weights
 from kernels.triton.split import row_slices
+from kernels.triton.tuning import autotune, launch
 
 MIN_TILE = 16  # tl.dot's smallest side
+SLICE_ROWS = 64  # a slice's rows are a multiple of this, the largest BLOCK_P, so that every config walks them whole
 
 
+def _weight_grad_config(block_c, block_k, block_p, warps, stages):
+    return triton.Config({"BLOCK_C": block_c, "BLOCK_K": block_k, "BLOCK_P": block_p}, num_warps=warps,
+                         num_stages=stages)
+
+
+# dW tiles from the fixed first version's 64 x 64 over 32 pixels up to 128 x 128 over 64, pipelined: each pixel block
+# is a [BLOCK_C x BLOCK_P] @ [BLOCK_P x BLOCK_K] dot, so wider tiles reuse each loaded row more.
+WEIGHT_GRAD_CONFIGS = [_weight_grad_config(c, k, bp, w, st) for c, k, bp, w, st in (
+    (64, 64, 32, 4, 3), (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 32, 8, 3),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4))]
+
+
+def _prune_weight_grad(configs, args, **_):
+    """Drop tiles wider than dW's own axes (the stem's 147 rows keep 128; 64 output channels keep 64)."""
+    rows, cout = (max(MIN_TILE, triton.next_power_of_2(args[k])) for k in ("TILE_ROWS", "COUT"))
+    kept = [c for c in configs if c.kwargs["BLOCK_C"] <= rows and c.kwargs["BLOCK_K"] <= cout]
+    return kept or configs[:1]
+
+
+@autotune(WEIGHT_GRAD_CONFIGS, key=["P", "CIN", "COUT", "TAPS", "TILE_ROWS", "STRIDE", "PRECISION"],
+          prune=_prune_weight_grad)
 @triton.jit
 def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD, ROWS, TAPS,
                               TILE_ROWS, KW: tl.constexpr, TAPS_IN_TILE: tl.constexpr, PRECISION: tl.constexpr,
@@ -71,20 +95,26 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT,
 
 
 def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stride: int, pad: int,
-                       precision: str = "ieee") -> torch.Tensor:
+                       precision: str = "ieee", tune: bool = True) -> torch.Tensor:
     """dW of a convolution, in torch's [COUT, CIN, KH, KW] layout and fp32: `x` its NHWC input, `dy` the NHWC
-    gradient of its output (both contiguous, one dtype)."""
+    gradient of its output (both contiguous, one dtype). The slices are cut for 64 x 64 tiles, whichever tile the
+    tuning picks: the grid's slice axis and the partials' buffer do not depend on the configuration."""
     n, h, w, cin = x.shape
     _, oh, ow, cout = dy.shape
     taps_in_tile = cin < MIN_TILE  # one tap's channels would leave most of a tile's rows empty
     tile_rows, tap_programs = (kh * kw * cin, 1) if taps_in_tile else (cin, kh * kw)
-    block_c, block_k, block_p = _tile(tile_rows), _tile(cout), 32
+    block_c, block_k = _tile(tile_rows), _tile(cout)
     tiles = triton.cdiv(tile_rows, block_c) * triton.cdiv(cout, block_k) * tap_programs
-    slices, rows = row_slices(n * oh * ow, tiles, block_p, x.device)
+    slices, rows = row_slices(n * oh * ow, tiles, SLICE_ROWS, x.device)
     dw = torch.empty((slices, kh, kw, cin, cout), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(tile_rows, block_c), triton.cdiv(cout, block_k), slices * tap_programs)
-    conv2d_weight_grad_kernel[grid](x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows,
-                                    tap_programs, tile_rows, kw, taps_in_tile, precision, block_c, block_k, block_p)
+
+    def grid(meta):
+        return triton.cdiv(tile_rows, meta["BLOCK_C"]), triton.cdiv(cout, meta["BLOCK_K"]), slices * tap_programs
+
+    args = (x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows, tap_programs, tile_rows, kw,
+            taps_in_tile, precision)
+    launch(conv2d_weight_grad_kernel, grid, args, tune, dict(BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_P=32,
+                                                              num_warps=4, num_stages=3))
     return dw.sum(0).permute(3, 2, 0, 1)  # the slices in a fixed order: the same bits every call
 
 

@@ -74,7 +74,7 @@ def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_
     dc, grads[bn.weight], grads[bn.bias] = out[:3]
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]
-    grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad)
+    grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad, tune=tune)
     dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune, add=add) \
         if input_grad else None
     return (dx, out[3]) if residual else dx

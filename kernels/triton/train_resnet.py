@@ -90,8 +90,8 @@ class TritonTrainStep:
         with self._range("triton_step_backward"):
             with scope(HEAD_PATH):
                 dlogits4 = dlogits.view(n, 1, 1, -1)
-                grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0).reshape(
-                    m.fc.weight.shape)
+                grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0,
+                                                        tune=tune).reshape(m.fc.weight.shape)
                 grads[m.fc.bias] = batch_norm.channel_sum(dlogits)
                 dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1),
                                               tune=tune)

@@ -1,0 +1,51 @@
+"""Compiles a Triton kernel's every autotuning configuration for Hopper (sm90) on a machine without a GPU: Triton's
+front end, its passes and NVIDIA's ptxas, which the triton wheel ships. The interpreter, which runs the kernels in
+CI, never compiles them, so a configuration that does not compile would first fail on the GPU.
+
+    python -m tests.hopper_compile    # prints one line per configuration; exit 1 if one failed
+
+Run without TRITON_INTERPRET (it replaces the compiler)."""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_configs(kernel, pointers: dict[str, str], constants: dict[str, object]) -> list[str]:
+    """Compiles `kernel` (a triton.autotune of a triton.jit) once per configuration: `pointers` the pointer
+    arguments' types ('*bf16'), `constants` its other constexpr arguments; integers for the rest. Returns one line
+    each: the configuration and its shared memory, or the error."""
+    fn = kernel.fn
+    lines = []
+    for config in kernel.configs:
+        values = {**constants, **config.kwargs}
+        signature = {name: pointers.get(name) or ("constexpr" if name in values else "i32") for name in fn.arg_names}
+        constexprs = {(fn.arg_names.index(name),): value for name, value in values.items()}
+        try:
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+                                      options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+            lines.append(f"ok {fn.__name__} {config} {constants}: {compiled.metadata.shared} B shared")
+        except Exception as e:  # every failure, whatever the compiler stage raised, is the check's finding
+            lines.append(f"FAILED {fn.__name__} {config} {constants}: {type(e).__name__}: {str(e)[:400]}")
+    return lines
+
+
+def main() -> int:
+    from kernels.triton.conv_backward import conv2d_weight_grad_kernel
+
+    lines = []
+    pointers = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*fp32"}  # bf16: the GPU's training dtype
+    for kw, taps_in_tile in ((3, False), (7, True)):  # a 3x3 by taps; the stem's 7x7 over its 3 channels
+        lines += compile_configs(conv2d_weight_grad_kernel, pointers,
+                                 {"KW": kw, "TAPS_IN_TILE": taps_in_tile, "PRECISION": "ieee"})
+    print("\n".join(lines))
+    return 1 if any(line.startswith("FAILED") for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
