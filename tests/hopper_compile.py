@@ -36,13 +36,18 @@ def compile_configs(kernel, pointers: dict[str, str], constants: dict[str, objec
 
 
 def main() -> int:
+    from kernels.triton.batch_norm import BLOCK_C, _grad_sums_kernel, _moments_kernel
     from kernels.triton.conv_backward import conv2d_weight_grad_kernel
 
     lines = []
-    pointers = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*fp32"}  # bf16: the GPU's training dtype
+    bf16 = {name: "*bf16" for name in ("x_ptr", "dy_ptr", "y_ptr")}  # bf16: the GPU's training dtype
     for kw, taps_in_tile in ((3, False), (7, True)):  # a 3x3 by taps; the stem's 7x7 over its 3 channels
-        lines += compile_configs(conv2d_weight_grad_kernel, pointers,
+        lines += compile_configs(conv2d_weight_grad_kernel, {**bf16, "dw_ptr": "*fp32"},
                                  {"KW": kw, "TAPS_IN_TILE": taps_in_tile, "PRECISION": "ieee"})
+    sums = ("mean_ptr", "m2_ptr", "invstd_ptr", "sum_dy_ptr", "sum_dy_xhat_ptr")
+    pointers = {**bf16, **{name: "*fp32" for name in sums}}
+    lines += compile_configs(_moments_kernel, pointers, {"BLOCK_C": BLOCK_C})
+    lines += compile_configs(_grad_sums_kernel, pointers, {"BLOCK_C": BLOCK_C, "RELU": True})
     print("\n".join(lines))
     return 1 if any(line.startswith("FAILED") for line in lines) else 0
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.triton.batch_norm import REDUCTION_CONFIGS
 from kernels.triton.conv_backward import WEIGHT_GRAD_CONFIGS, conv2d_input_grad, conv2d_weight_grad
 
 # (kernel, stride, padding, input channels, output channels, input size): every convolution kind of a ResNet (the
@@ -272,9 +273,10 @@ def test_two_training_steps_are_eager_steps():
     assert abs(gains["param.layer2.0.conv1.weight"] - 0.7) < 0.01 and abs(gains["param.bn1.weight"] - 1) < 1e-3
 
 
-def test_every_weight_gradient_configuration_compiles_for_hopper():
-    """The autotuner's configurations, which the interpreter never compiles: each through Triton's compiler and
-    ptxas for sm90 (tests/hopper_compile.py), by taps and with the taps in the tile."""
+def test_every_training_kernels_configuration_compiles_for_hopper():
+    """The autotuner's configurations of the weight gradient (by taps, and with the taps in the tile) and of the
+    batch norm's reductions, which the interpreter never compiles: each through Triton's compiler and ptxas for
+    sm90 (tests/hopper_compile.py)."""
     from core.paths import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -282,6 +284,8 @@ def test_every_weight_gradient_configuration_compiles_for_hopper():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
+    assert proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel") == len(
+        REDUCTION_CONFIGS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,8 +13,8 @@ read from the forward's output). In NHWC a channel is a column, so a program own
 rows; the moments in one pass, each row block's mean and centred squares merged into the running ones (Chan et al.),
 so that a large mean does not cancel the variance.
 
-The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py); nothing is fused into the
-convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
+The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py), their row block tuned;
+nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
@@ -24,13 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import tuning
 from kernels.triton.split import row_slices
 
-BLOCK_P, BLOCK_C = 32, 64  # 64 columns: a 128-byte row of a bf16 tile
+BLOCK_P, BLOCK_C = 32, 64  # 64 columns: a 128-byte row of a bf16 tile; BLOCK_P rows: the untuned row block
+# The reductions walk their slice a row block at a time, so a block's bytes are what each program has in flight:
+# 4 KiB at 32 rows of bf16 left the H200's moments at 15% of its bandwidth (docs/notes/triton-training.md).
+# Tuned, up to 256 rows (32 KiB); a slice's rows are a multiple of the largest, so that any block walks it whole.
+REDUCTION_CONFIGS = [triton.Config({"BLOCK_P": rows}, num_warps=warps, num_stages=3)
+                     for rows in (32, 64, 128, 256) for warps in (4, 8)]
+MAX_BLOCK_P = max(c.kwargs["BLOCK_P"] for c in REDUCTION_CONFIGS)
 
 
+@tuning.autotune(REDUCTION_CONFIGS, key=["P", "C"])
 @triton.jit
-def _moments_kernel(x_ptr, mean_ptr, m2_ptr, P, C, ROWS, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _moments_kernel(x_ptr, mean_ptr, m2_ptr, P, C, ROWS, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """One slice of ROWS rows (program axis 1) of a block of columns: its mean and sum of centred squares (M2) per
     column, each row block's own merged in (Chan et al.'s pairwise update), so that a large mean never cancels the
     variance and the data is read once."""
@@ -58,9 +66,10 @@ def _moments_kernel(x_ptr, mean_ptr, m2_ptr, P, C, ROWS, BLOCK_P: tl.constexpr, 
     tl.store(m2_ptr + out, m2, mask=c_ok)
 
 
+@tuning.autotune(REDUCTION_CONFIGS, key=["P", "C", "RELU"])
 @triton.jit
 def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, sum_dy_xhat_ptr, P, C, ROWS,
-                      RELU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                      RELU: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """One slice of ROWS rows (program axis 1): its partial sums of dy and dy * xhat per column."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
@@ -125,27 +134,28 @@ def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor
 
 
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
-            residual: torch.Tensor | None = None, relu: bool = False):
+            residual: torch.Tensor | None = None, relu: bool = False, tune: bool = True):
     """y = [relu](bn(x) [+ residual]) in x's type, the batch's mean and invstd (fp32, per channel) that backward
     needs, and its (biased) variance: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. The caller updates the
     running statistics from mean and var (unbiased there)."""
-    mean, var = _moments(x)
+    mean, var = _moments(x, tune)
     invstd = torch.rsqrt(var + eps)
     a = gamma * invstd
     return _affine(x, a, beta - mean * a, residual=residual, relu=relu), mean, invstd, var
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
-             y: torch.Tensor | None = None, residual: bool = False):
+             y: torch.Tensor | None = None, residual: bool = False, tune: bool = True):
     """dx (dy's type), dgamma and dbeta (fp32) of forward's output gradient `dy` (NHWC, x's shape); with `y`, the
     output of a forward with relu, the gradient goes through its ReLU first; with `residual`, also the residual's
     gradient (dy through the ReLU), returned last."""
     c = x.shape[-1]
     p = x.numel() // c
-    slices, rows = _slices(x)
+    slices, rows = _slices(x, tune)
     dbeta, dgamma = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
-    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C), slices)](dy, x, dy if y is None else y, mean, invstd, dbeta,
-                                                         dgamma, p, c, rows, y is not None, BLOCK_P, BLOCK_C)
+    tuning.launch(_grad_sums_kernel, (triton.cdiv(c, BLOCK_C), slices),
+                  (dy, x, dy if y is None else y, mean, invstd, dbeta, dgamma, p, c, rows, y is not None, BLOCK_C),
+                  tune, UNTUNED)
     dbeta, dgamma = dbeta.sum(0), dgamma.sum(0)  # the slices in a fixed order: the same bits every call
     k1 = gamma * invstd
     k2 = -k1 * invstd * dgamma / p
@@ -157,26 +167,33 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     return dx, dgamma, dbeta, (dy if y is None else _affine(dy, ones, zeros, gate=y))
 
 
-def channel_sum(x: torch.Tensor) -> torch.Tensor:
+def channel_sum(x: torch.Tensor, tune: bool = True) -> torch.Tensor:
     """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
-    mean, _ = _moments(x)
+    mean, _ = _moments(x, tune)
     return mean * (x.numel() // x.shape[-1])
 
 
-def _slices(x: torch.Tensor) -> tuple[int, int]:
-    """(slices, rows per slice) of a per-channel reduction over NHWC `x` (kernels/triton/split.py)."""
+UNTUNED = dict(BLOCK_P=BLOCK_P, num_warps=4, num_stages=3)
+
+
+def _slices(x: torch.Tensor, tune: bool) -> tuple[int, int]:
+    """(slices, rows per slice) of a per-channel reduction over NHWC `x` (kernels/triton/split.py): in multiples of
+    the largest row block a tuned launch may take, else of the untuned one (the interpreter's: so that the CPU
+    tests' small tensors still have several slices to merge)."""
     c = x.shape[-1]
-    return row_slices(x.numel() // c, triton.cdiv(c, BLOCK_C), BLOCK_P, x.device)
+    block = MAX_BLOCK_P if tune and not tuning.INTERPRET else BLOCK_P
+    return row_slices(x.numel() // c, triton.cdiv(c, BLOCK_C), block, x.device)
 
 
-def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _moments(x: torch.Tensor, tune: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-channel mean and biased variance (fp32) of NHWC `x`: each slice's from the kernel, then merged
     (the pooled mean, and the slices' M2 plus their spread about it)."""
     c = x.shape[-1]
     p = x.numel() // c
-    slices, rows = _slices(x)
+    slices, rows = _slices(x, tune)
     means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
-    _moments_kernel[(triton.cdiv(c, BLOCK_C), slices)](x, means, m2, p, c, rows, BLOCK_P, BLOCK_C)
+    tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
+                  UNTUNED)
     counts = (p - rows * torch.arange(slices, device=x.device)).clamp(max=rows).float()[:, None]
     mean = (counts * means).sum(0) / p
     return mean, (m2.sum(0) + (counts * (means - mean) ** 2).sum(0)) / p

@@ -41,7 +41,7 @@ def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
     """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs."""
     c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
     y, mean, invstd, var = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
-                                              residual=residual, relu=relu)
+                                              residual=residual, relu=relu, tune=tune)
     return Saved(conv, bn, relu, x, c, mean, invstd, var, y)
 
 
@@ -70,7 +70,7 @@ def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_
     asked)."""
     conv, bn = saved.conv, saved.bn
     out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
-                              y=saved.out if saved.relu else None, residual=residual)
+                              y=saved.out if saved.relu else None, residual=residual, tune=tune)
     dc, grads[bn.weight], grads[bn.bias] = out[:3]
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]

@@ -92,7 +92,7 @@ class TritonTrainStep:
                 dlogits4 = dlogits.view(n, 1, 1, -1)
                 grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0,
                                                         tune=tune).reshape(m.fc.weight.shape)
-                grads[m.fc.bias] = batch_norm.channel_sum(dlogits)
+                grads[m.fc.bias] = batch_norm.channel_sum(dlogits, tune)
                 dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1),
                                               tune=tune)
                 dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
