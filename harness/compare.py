@@ -25,10 +25,10 @@ from core.stats import median
 from harness import record
 from harness.load import BadInput, load_records
 from harness.record import bound, ranked
+from harness.status import FAILED, Status
 from harness.tables import markdown_table
 from tiers import identity
 
-FAILED = ("crashed", "oom", "timeout", "error", "parity-fail", "contended")
 
 # The largest move of a cell's median between two runs of the same code (max(B/A, A/B) - 1), by class, rounded up:
 # a change must exceed it, up or down by the factor 1 + floor. Measured on the lent H100 (inference: 4 runs, 153
@@ -92,7 +92,7 @@ def verdict(ratio: float, low: float, high: float, threshold: float) -> str:
 
 def side_status(records: list[dict]) -> str:
     """'ok' where every run of the side measured the cell, else the first failure."""
-    return next((r["status"] for r in records if r["status"] != "ok"), "ok")
+    return next((r["status"] for r in records if r["status"] != Status.OK), Status.OK)
 
 
 def timed(a: list[dict], b: list[dict], threshold: float) -> dict:
@@ -137,9 +137,9 @@ def compare(a_runs: list[list[dict]], b_runs: list[list[dict]], threshold: float
         sa, sb = side_status(a), side_status(b)
         if not a or not b:
             row["verdict"] = "only in B" if not a else "only in A"
-        elif sa != "ok" or sb != "ok":
-            row["verdict"] = (f"now {sb}" if sa == "ok" else "now ok" if sb == "ok" else f"{sb} in both")
-            if sa == "ok" and sb in FAILED:
+        elif sa != Status.OK or sb != Status.OK:
+            row["verdict"] = (f"now {sb}" if sa == Status.OK else "now ok" if sb == Status.OK else f"{sb} in both")
+            if sa == Status.OK and sb in FAILED:
                 row["verdict"] = f"regression: now {sb}"
         elif not all(ranked(x) for x in a + b):
             row["verdict"] = "interpreted: not a speed"

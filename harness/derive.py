@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from core.cell import layout_name
 from harness.record import CONTENDED_MARK, SLOW_CLOCK_SHARE, bound, contended, ranked
+from harness.status import Status
 from tiers import all_tiers
 
 BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is over eager in its activations' type
@@ -13,7 +14,7 @@ BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is 
 def eager_baseline(records: list[dict], r: dict) -> dict | None:
     dtype = BASELINE_DTYPE.get(r["dtype"], r["dtype"])
     for e in records:
-        if (e["tier"] == "eager" and not e["cuda_graph"] and e["status"] == "ok"
+        if (e["tier"] == "eager" and not e["cuda_graph"] and e["status"] == Status.OK
                 and e.get("task", "infer") == r.get("task", "infer") and e["dtype"] == dtype
                 and all(e[k] == r[k] for k in ("model", "batch", "res", "channels_last", "device"))):
             return e
@@ -56,7 +57,7 @@ SLOW_MARK = "*"  # an SM clock below SLOW_CLOCK_SHARE of its maximum while timed
 def clock_lines(records: list[dict]) -> list[str]:
     """What held the clocks while cells were timed: the cells whose SM clock sat below SLOW_CLOCK_SHARE of its
     maximum and the reason NVML gave most, and the cells whose energy was withheld and why."""
-    ok = [r for r in records if r["status"] == "ok"]
+    ok = [r for r in records if r["status"] == Status.OK]
     slow = [r for r in ok if (r.get("clocks") or {}).get("slow")]
     out = []
     if slow:
@@ -113,7 +114,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
     """One flat row per record: what the tables show."""
     out = []
     for r in records:
-        ok = r["status"] == "ok"
+        ok = r["status"] == Status.OK
         speed = ranked(r)  # an interpreted cell's timings are shown as such, never as img/s or a speed-up
         lat = r.get("latency_ms") or {}
         mem = r.get("memory") or {}
@@ -133,7 +134,7 @@ def rows(records: list[dict]) -> list[dict[str, str]]:
             "dtype": r["dtype"],
             "layout": layout_name(r["channels_last"]),
             "start": r.get("start") or "",
-            "status": "ok" if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
+            "status": Status.OK if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
             "median ms": fmt(lat.get("median"), ".3f") if ok else "",
             "p99 ms": fmt(lat.get("p99"), ".3f") if ok else "",
             "CV %": fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",

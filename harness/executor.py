@@ -27,6 +27,7 @@ from harness.measure import measure_cells
 from harness.record import base_record
 from harness.refusal import Refusal
 from harness.rundir import RunDir
+from harness.status import Status
 
 EXECUTORS = ("local", "ray")
 # The environment a Ray worker needs from the driver's: this checkout importable, the extra rungs and caches the
@@ -143,7 +144,7 @@ def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address:
                 overhead = {"dispatch_s": began - submitted, "return_s": time.time() - ended,
                             "unit_cells": len(cells)}
             except ray.exceptions.RayError as e:  # its worker or node lost twice, or an error of ours in it
-                on_record({**base_record(cells[0]), "status": "crashed",
+                on_record({**base_record(cells[0]), "status": Status.CRASHED,
                            "reason": " ".join(f"its Ray task failed: {type(e).__name__}: {e}".split())[:500]})
                 if cells[1:]:
                     waiting.insert(0, cells[1:])
@@ -153,7 +154,7 @@ def run_ray(ctx: Context, units: list[list[Cell]], on_record: OnRecord, address:
     except KeyboardInterrupt:
         for ref, (cells, _) in running.items():
             ray.cancel(ref, force=True)  # its worker and the rung's process under it (PDEATHSIG) end now
-            on_record({**base_record(cells[0]), "status": "interrupted",
+            on_record({**base_record(cells[0]), "status": Status.INTERRUPTED,
                        "reason": "ladder interrupted; its Ray task was cancelled"})
         raise
     finally:

@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 from core.files import disk_free
+from harness.status import Status
 
 DISK_FULL_WORDS = ("no space left on device", "errno 28", "disk quota exceeded")
 DISK_NEARLY_FULL = 16 << 20  # free bytes under which a child's silent death is put down to the disk
@@ -32,14 +33,14 @@ def failure_status(returncode: int, error_line: str | None, stderr_tail: str,
     last = stderr_tail.strip().splitlines()[-1][-300:] if stderr_tail.strip() else ""
     said_full = any(w in f"{error_line or ''} {stderr_tail}".lower() for w in DISK_FULL_WORDS)
     if disk is not None and (said_full or shutil.disk_usage(disk).free < DISK_NEARLY_FULL):
-        return "error", f"disk full: {disk_free(disk)}; " + (error_line or last or f"exit code {returncode}, no output")
+        return Status.ERROR, f"disk full: {disk_free(disk)}; " + (error_line or last or f"exit code {returncode}, no output")
     if error_line:
-        return ("oom" if any(w in error_line.lower() for w in OOM_WORDS) else "error"), error_line
+        return (Status.OOM if any(w in error_line.lower() for w in OOM_WORDS) else Status.ERROR), error_line
     if any(w in stderr_tail.lower() for w in OOM_WORDS):
-        return "oom", "out of memory: " + last
+        return Status.OOM, "out of memory: " + last
     if returncode < 0:
         name = signal.Signals(-returncode).name
         if oom_killed:
-            return "oom", f"killed by {name} from the kernel's OOM killer (cgroup memory.events oom_kill grew)"
-        return "crashed", f"killed by {name}" + (f": {last}" if last else "")
-    return "crashed", f"exit code {returncode}: {last or 'no output'}"
+            return Status.OOM, f"killed by {name} from the kernel's OOM killer (cgroup memory.events oom_kill grew)"
+        return Status.CRASHED, f"killed by {name}" + (f": {last}" if last else "")
+    return Status.CRASHED, f"exit code {returncode}: {last or 'no output'}"

@@ -29,6 +29,7 @@ from harness.prepare import prepare
 from harness.record import contended_line, document
 from harness.refusal import Refusal
 from harness.rundir import RecordNotSaved, RunDir, RunLocked
+from harness.status import Status
 from tiers import identity
 
 # Free disk a run directory needs before its first cell: the weights (98 MB for ResNet-50, twice for training), inputs,
@@ -168,10 +169,10 @@ def measure(ctx: Context, todo: list[Cell], records: dict[str, dict], config: La
                 ctx.run.append(rec)
                 records[identity(Cell.of_record(rec))] = rec
                 repeat = (rec["label"], rec["status"], rec.get("reason"))
-                if rec["status"] == "ok" or repeat not in said:
+                if rec["status"] == Status.OK or repeat not in said:
                     said.add(repeat)
                     progress.console.print(report.progress_line(rec), markup=False, no_wrap=True,
-                                           overflow="ellipsis", style=None if rec["status"] == "ok" else "red")
+                                           overflow="ellipsis", style=None if rec["status"] == Status.OK else "red")
                 progress.advance(task)
 
             run_units(ctx, list(groups.values()), on_record, config.executor, config.ray_address)

@@ -9,6 +9,7 @@ from core.cell import Cell
 from harness.context import Context
 from harness.record import base_record, recipe_references
 from harness.rundir import ReferenceFailed
+from harness.status import Status
 from harness.watch import ChildRun
 from tiers import all_tiers
 
@@ -27,10 +28,10 @@ def screen(ctx: Context, cell: Cell) -> dict | None:
     record = base_record(cell)
     reason = tier.availability(cell.device)
     if reason:
-        return {**record, "status": "unavailable", "reason": reason}
+        return {**record, "status": Status.UNAVAILABLE, "reason": reason}
     reason = tier.supports(cell)
     if reason:
-        return {**record, "status": "skipped", "reason": reason}
+        return {**record, "status": Status.SKIPPED, "reason": reason}
     try:
         ctx.run.reference(cell.batch, cell.res, cell.task)
         for key in recipe_references(cell).values():

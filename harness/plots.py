@@ -9,6 +9,7 @@ from pathlib import Path
 
 from core.cell import DTYPES
 from harness.record import CONTENDED_MARK, contended, ranked
+from harness.status import Status
 
 MIB = 2**20
 TASK_NAMES = {"infer": "inference", "train": "training"}
@@ -236,7 +237,7 @@ def first_result(doc: dict, path: Path) -> Path | None:
 def memory(doc: dict, path: Path) -> Path | None:
     """Memory per rung at the largest batch: the allocator's steady-state peak and NVML's process peak (GPU), or
     the peak resident host memory (CPU); one panel per task and dtype."""
-    ok = [r for r in doc["results"] if r["status"] == "ok" and r.get("memory")]
+    ok = [r for r in doc["results"] if r["status"] == Status.OK and r.get("memory")]
     if not ok:
         return None
     panels = _at_batch(ok, max)

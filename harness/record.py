@@ -21,9 +21,8 @@ from harness.contention import describe
 from harness.contract import SUSTAIN_WINDOW_S
 from harness.context import Context
 from harness.rundir import cell_dir
+from harness.status import DEFINITION, Status
 from tiers import get_tier
-
-DONE = "ok"
 
 SCHEMA_VERSION = 1
 
@@ -43,13 +42,7 @@ DEFINITIONS = {
               "group's floor_gbs: its convolutions' inputs, outputs, shortcuts and weights through memory once, per "
               "second of its time: the least it moves), "
               "kernels (launches per step, total_ms per step, median_us, share), trace (the Chrome trace)",
-    "status": "'ok', or the failure: 'parity-fail' (output differs from the eager fp32 reference; timings "
-              "withheld), 'crashed' (killed by a signal or a non-zero exit), 'oom' (an allocator refused, or the "
-              "kernel's OOM killer), 'timeout' (no result within --timeout), 'error' (an exception, a failed build "
-              "of our own code, or a failed eager reference), 'interrupted' (Ctrl-C, SIGTERM or SIGHUP while it "
-              "ran), 'contended' (measured beside another busy process under --isolation-check error; timings "
-              "withheld), 'unavailable' (rung cannot run here), 'skipped' (rung does not implement this "
-              "configuration); 'reason' says why. A rerun keeps ok, parity-fail and skipped and tries the rest again",
+    "status": DEFINITION,
     "where": "what measured the cell: host (its name), gpu (NVML name and UUID of the GPU its child ran on, and "
              "where the run spread over several GPUs, locally or on Ray, its measured matmul_tflops per dtype), "
              "cpu_affinity (the child's CPUs, a cpulist: its GPU's NUMA node where the host says, else every CPU), "
@@ -148,7 +141,7 @@ DEFINITIONS = {
 
 def ranked(r: dict) -> bool:
     """Whether the record's timings are a speed to compare and rank: measured ok, and not in an interpreter."""
-    return r["status"] == "ok" and not r.get("interpreted")
+    return r["status"] == Status.OK and not r.get("interpreted")
 
 
 def contended(r: dict) -> bool:
@@ -161,7 +154,7 @@ CONTENDED_MARK = " (contended)"
 
 def contended_line(records: list[dict]) -> str | None:
     """The run's summary of cells measured beside other load, or None where there are none."""
-    busy = [r for r in records if r["status"] == "ok" and contended(r)]
+    busy = [r for r in records if r["status"] == Status.OK and contended(r)]
     if not busy:
         return None
     most = max(r["contention"].get("other_cpus_busy") or 0 for r in busy)
@@ -172,7 +165,7 @@ def contended_line(records: list[dict]) -> str | None:
 
 def bound(r: dict) -> str | None:
     """'host' or 'gpu': what a cell's latency measures (DEFINITIONS['bound'])."""
-    if r["status"] != "ok" or r["device"] != "cuda" or not r.get("host_overhead_us"):
+    if r["status"] != Status.OK or r["device"] != "cuda" or not r.get("host_overhead_us"):
         return None
     host_ms = r["host_overhead_us"]["median"] / 1e3
     return "host" if host_ms >= HOST_BOUND * r["latency_ms"]["median"] else "gpu"
@@ -262,14 +255,14 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     if ctx.protocol.sustains(cell):
         record["sustained"] = sustained(nvml.get("sustained"), raw["util"], cell.batch)
     if not parity["ok"]:
-        record.update(status="parity-fail", reason=f"parity failed: {parity.get('reason')}; timings withheld")
+        record.update(status=Status.PARITY_FAIL, reason=f"parity failed: {parity.get('reason')}; timings withheld")
         return record
     contention = record.get("contention") or {}
     if contention.get("flagged") and ctx.isolation_check == "error":
-        record.update(status="contended", reason=f"measured beside other busy processes ({describe(contention)}); "
+        record.update(status=Status.CONTENDED, reason=f"measured beside other busy processes ({describe(contention)}); "
                       "timings withheld (--isolation-check error)")
         return record
-    record.update(status=DONE, **timings(ctx, cell, raw))
+    record.update(status=Status.OK, **timings(ctx, cell, raw))
     return record
 
 

@@ -20,10 +20,12 @@ from harness.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, P
 from harness.load import BadInput, load_records
 from harness.plots import write_plots
 from harness.record import CONTENDED_MARK, bound, contended, contended_line, document, ranked
+from harness.status import NOT_RUN, Status
 from harness.tables import markdown_table, drop_empty_columns
 
 
-PIVOT_STATUS = {"skipped": "-", "unavailable": "n/a", "timeout": "timeout", "interrupted": "stopped"}
+PIVOT_STATUS = {Status.SKIPPED: "-", Status.UNAVAILABLE: "n/a", Status.TIMEOUT: "timeout",
+                Status.INTERRUPTED: "stopped"}
 
 
 def pivot_cell(r: dict | None, base: dict | None, with_rate: bool) -> str:
@@ -31,7 +33,7 @@ def pivot_cell(r: dict | None, base: dict | None, with_rate: bool) -> str:
     short status word."""
     if r is None:
         return ""
-    if r["status"] != "ok":
+    if r["status"] != Status.OK:
         return PIVOT_STATUS.get(r["status"], "FAIL")
     if not ranked(r):
         return "interp."
@@ -214,7 +216,7 @@ def to_csv(doc: dict) -> str:
 COMPACT = ["rung", "batch", "dtype", "layout", "median ms", "img/s", "vs eager", "vs fw", "bound", "parity"]
 
 
-SHORT_STATUS = {"parity-fail": "FAIL", "interrupted": "stopped"}  # fits the compact table's 9-wide column
+SHORT_STATUS = {Status.PARITY_FAIL: "FAIL", Status.INTERRUPTED: "stopped"}  # fits the compact table's 9-wide column
 
 
 def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = False):
@@ -223,7 +225,7 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
     here or skip a cell are left to those lines. `wide`: every column and every record. Every cell is plain
     text, never rich markup (reasons quote paths in brackets)."""
     table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
-    shown = records if wide else [r for r in records if r["status"] not in ("unavailable", "skipped")]
+    shown = records if wide else [r for r in records if r["status"] not in NOT_RUN]
     all_rows = rows(records)
     by_id = {id(r): row for r, row in zip(records, all_rows)}
     mixed = len({row["task"] for row in all_rows}) > 1  # a merged report of inference and training
@@ -239,7 +241,7 @@ def rich_table(records: list[dict], title: str = "Tier ladder", wide: bool = Fal
                          no_wrap=c != "rung", overflow="fold")  # the rung's options wrap whole, never cut to "…"
     for r in shown:
         row = {**by_id[id(r)], "rung": by_id[id(r)]["rung"].replace("(", " (", 1)}  # wraps before its options
-        if r["status"] == "ok":  # compact: the parity verdict alone (its error is in the wide table and the JSON)
+        if r["status"] == Status.OK:  # compact: the parity verdict alone (its error is in the wide table and the JSON)
             table.add_row(*[Text(row[c].split()[0] if c == "parity" and not wide and row[c] else row[c])
                             for c in cols])
         else:
@@ -261,7 +263,7 @@ def print_table(console: Console, table: Table, wide: bool) -> None:
 
 def progress_line(rec: dict) -> str:
     """One line per finished cell in the live progress: its median, or its failure and reason."""
-    line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == "ok" else
+    line = (f"{rec['latency_ms']['median']:.3f} ms" if rec["status"] == Status.OK else
             f"{rec['status']}: {rec.get('reason')}")
     flag = "  (contended)" if (rec.get("contention") or {}).get("flagged") else ""
     return f"  {rec['label']:22.22s} b{rec['batch']:<4d} {rec['dtype']:5s} {rec['layout']} {line[:300]}{flag}"
@@ -272,7 +274,7 @@ def failure_lines(records: list[dict]) -> list[str]:
     cell)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        if r["status"] != "ok":
+        if r["status"] != Status.OK:
             groups.setdefault((r["label"], r["status"], " ".join(str(r.get("reason") or "").split())), []).append(r)
     lines = []
     for (label, status, reason), rs in groups.items():

@@ -20,10 +20,8 @@ from core.files import disk_free, write_atomic
 from core.paths import REPO
 from harness.failures import failure_status
 from harness.refusal import Refusal
+from harness.status import KEPT, Status
 from tiers import identity
-
-# Statuses a rerun keeps; the others (crashed, timeout, oom, error, unavailable, interrupted, contended) run again.
-KEPT = ("ok", "parity-fail", "skipped")
 
 
 class RunLocked(Exception):
@@ -134,7 +132,7 @@ class RunDir:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:], disk=self.path)
                 what = "training " if task == "train" else ""
                 name = f"{recipe[0]} {recipe[1]} recipe " if recipe else f"eager {what}"
-                self._failed_refs[key] = ("oom" if status == "oom" else "error",
+                self._failed_refs[key] = (Status.OOM if status == Status.OOM else Status.ERROR,
                                           f"{name}reference (batch {batch}, res {res}) failed: {reason}")
                 raise ReferenceFailed(*self._failed_refs[key])
         return p

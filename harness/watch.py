@@ -26,6 +26,7 @@ from harness.failures import cgroup_oom_kills, failure_status
 from harness.record import base_record, finish_record, stage_reference
 from harness.rundir import cell_dir, dir_bytes
 from harness.sampler import Sampler, device_memory_used
+from harness.status import Status
 from tiers import all_tiers
 from tiers.base import ExternalTier, PythonTier
 
@@ -79,10 +80,10 @@ class ChildRun:
         try:
             program = self.program(jobs)
         except Unavailable as e:
-            self.on_record({**base_record(self.cells[0]), "status": "unavailable", "reason": str(e)})
+            self.on_record({**base_record(self.cells[0]), "status": Status.UNAVAILABLE, "reason": str(e)})
             return 1
         except Exception as e:  # building or preparing the rung's files failed: an error of ours, not 'cannot run here'
-            self.on_record({**base_record(self.cells[0]), "status": "error",
+            self.on_record({**base_record(self.cells[0]), "status": Status.ERROR,
                             "reason": f"preparing {self.cells[0].tier}: {type(e).__name__}: {e}"})
             return 1
         jobs = jobs[:len(self.cells)]
@@ -261,11 +262,11 @@ class ChildRun:
                 return recorded  # not reached: the caller starts a new process for the rest
             phase = self.sampler.phase
             if ended.interrupted:
-                self.on_record({**record, "status": "interrupted",
+                self.on_record({**record, "status": Status.INTERRUPTED,
                                 "reason": f"ladder interrupted (last phase: {phase})"})
                 raise KeyboardInterrupt
             if ended.timed_out:
-                self.on_record({**record, "status": "timeout", "stderr_tail": ended.stderr_tail,
+                self.on_record({**record, "status": Status.TIMEOUT, "stderr_tail": ended.stderr_tail,
                                 "reason": f"no result after {self.ctx.protocol.timeout_s:g} s (last phase: {phase})"})
             else:
                 status, reason = failure_status(ended.returncode, None, ended.stderr_tail, ended.oom_killed,
