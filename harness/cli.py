@@ -294,10 +294,13 @@ def ladder_config(args: argparse.Namespace) -> LadderConfig:
                         min_time_s=args.min_time, max_time_s=max(args.max_time, args.min_time),
                         precision=args.precision, e2e_iters=args.e2e_iters, timeout_s=args.timeout,
                         sustain_s=args.sustain, sustain_batch=args.sustain_batch)
-    shared = ("command", "model", "task", "tiers", "batch", "res", "dtype", "layout", "cuda_graph", "compile_mode",
-              "option", "device", "isolation", "executor", "ray_address", "retune", "isolation_check", "jobs", "host_probe", "out", "rerun",
-              "json", "markdown", "csv", "wide", "argv")
-    return LadderConfig(protocol=protocol, util_s=args.util_s, **{k: getattr(args, k) for k in shared})
+    shared = ("command", "model", "task", "tiers", "batch", "res", "dtype", "layout", "cuda_graph", "device",
+              "isolation", "executor", "ray_address", "retune", "isolation_check", "jobs", "host_probe", "out",
+              "rerun", "json", "markdown", "csv", "wide", "argv")
+    # --compile-mode is the compile rung's option `compile-mode` (tiers/compile.py), given as a list of its own
+    option = [*args.option, ("compile", "compile-mode", ",".join(args.compile_mode))]
+    return LadderConfig(protocol=protocol, util_s=args.util_s, option=option,
+                        **{k: getattr(args, k) for k in shared})
 
 
 def micro_command(args: argparse.Namespace) -> int:

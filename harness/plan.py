@@ -29,8 +29,7 @@ class LadderConfig:
     dtype: list[str] | None = None
     layout: str | None = None  # nchw, nhwc or both
     cuda_graph: str = "off"    # off, on or both
-    compile_mode: list[str] = field(default_factory=lambda: ["default"])
-    option: list[tuple[str, str, str]] = field(default_factory=list)  # (rung, key, value)
+    option: list[tuple[str, str, str]] = field(default_factory=list)  # (rung, key, values: comma-separated)
     device: str | None = None
     isolation: str = "rung"
     executor: str = "local"  # where the rungs' processes run (harness/executor.py)
@@ -62,8 +61,8 @@ SMALLEST_WHOLE_RES = 32  # the input size below which a ResNet's last stage sees
 
 
 def plan(args: LadderConfig, device: str) -> list[Cell]:
-    """The cells of a ladder or sweep: rungs x layouts x dtypes x batches x resolutions x CUDA-graph modes, each
-    rung's options (compile: one cell per --compile-mode)."""
+    """The cells of a ladder or sweep: rungs x layouts x dtypes x batches x resolutions x CUDA-graph modes x each
+    rung's options (a cell per value)."""
     gpu = device == "cuda"
     sweep = args.command == "sweep"
     tiers = args.tiers or list(all_tiers())
@@ -80,8 +79,6 @@ def plan(args: LadderConfig, device: str) -> list[Cell]:
         tier_dtypes = args.dtype or deployed_dtypes(tier, dtypes, tiers, args.task)
         for layout, dtype, batch, res, graph in itertools.product(layouts, tier_dtypes, batches, resolutions, graphs):
             given = [[(k, v) for v in values.split(",")] for t, k, values in args.option if t == tier]
-            if tier == "compile":
-                given.append([("compile-mode", m) for m in args.compile_mode])
             option_sets = [tuple(sorted(choice)) for choice in itertools.product(*given)]
             for opts in option_sets:
                 if graph and not all_tiers()[tier].cuda_graph:
