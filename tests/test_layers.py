@@ -90,3 +90,52 @@ def test_the_architecture_names_every_module():
     missing = [str(p.relative_to(REPO)) for p in modules if f"`{p.stem}" not in text and f"{p.stem}`" not in text
                and f"/{p.stem}" not in text]
     assert not missing, f"not named in docs/architecture.md: {missing}"
+
+
+# harness/'s rooms, lowest first: each module imports only from its own room and the rooms below it
+# (docs/architecture.md, "harness/, by room"). A new module gets its room here, or the test below fails.
+ROOMS = {
+    "child": {"contract", "worker", "profile", "timing", "layerbench", "reference"},
+    "run": {"plan", "prepare", "executor", "measure", "watch", "context", "rundir", "sampler", "contention",
+            "failures", "record", "census", "status", "refusal", "host_noise"},
+    "results": {"load", "derive", "tables", "report", "plots", "census_plot", "compare"},
+    "commands": {"__main__", "cli", "ladder", "accuracy", "mutations", "listing", "micro", "census_report",
+                 "layers_report"},
+}
+ROOM_ORDER = list(ROOMS)
+
+
+def room_of(module: str) -> str | None:
+    return next((room for room, members in ROOMS.items() if module in members), None)
+
+
+def harness_imports() -> list[tuple[str, str, int]]:
+    """(importing module, imported harness module, line) for every import between harness modules."""
+    out = []
+    for path in sorted((REPO / "harness").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.startswith("harness."):
+                    out.append((path.stem, node.module.split(".")[1], node.lineno))
+                elif node.module == "harness":
+                    out.extend((path.stem, a.name, node.lineno) for a in node.names)
+            elif isinstance(node, ast.Import):
+                out.extend((path.stem, a.name.split(".")[1], node.lineno) for a in node.names
+                           if a.name.startswith("harness."))
+    return out
+
+
+@pytest.mark.quick
+def test_every_harness_module_has_a_room():
+    modules = {p.stem for p in (REPO / "harness").glob("*.py")} - {"__init__"}
+    assert not (missing := sorted(m for m in modules if room_of(m) is None)), f"give these a room in ROOMS: {missing}"
+    assert not (gone := sorted(set().union(*ROOMS.values()) - modules)), f"ROOMS names modules that are gone: {gone}"
+
+
+@pytest.mark.quick
+def test_harness_rooms_import_only_downward():
+    upward = [f"harness/{m}.py:{line} ({room_of(m)}) imports {dep} ({room_of(dep)})"
+              for m, dep, line in harness_imports() if m != dep
+              and ROOM_ORDER.index(room_of(dep)) > ROOM_ORDER.index(room_of(m))]
+    assert not upward, "\n".join(upward)
