@@ -16,12 +16,7 @@ import torch
 from core.cell import Built
 from core.layers import BASIS, LAYER
 from tiers.base import PythonTier
-from tiers.exports.onnx import batch_dim, bound_input, export_onnx, node_layers, onnx_dir
-
-# Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
-# is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
-BF16_EXPORT = ("torch's ONNX exporter makes an invalid bfloat16 graph of this model: batch-norm is folded into "
-               "float32 Conv weights beside bfloat16 activations (and at its default opset 18, Conv has no bfloat16)")
+from tiers.exports.onnx import BF16_EXPORT, batch_dim, bound_input, export_onnx, node_layers, onnx_dir
 
 
 def installed(distribution: str) -> bool:

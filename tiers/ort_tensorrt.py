@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tiers.onnxruntime import OnnxRuntime
-from tiers.tensorrt import NEEDS_GPU, cache_dir, profile_shapes
+from tiers.exports.tensorrt import NEEDS_GPU, cache_dir, profile_shapes
 
 
 def preload_tensorrt() -> None:

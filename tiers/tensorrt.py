@@ -25,16 +25,14 @@ from typing import Any
 
 import torch
 
-from core.cell import Built, Cell, Store, Unavailable
+from core.cell import Built, Cell, Unavailable
 from core.env import gpu_handle
 from tiers.base import PythonTier
-from tiers.exports.onnx import bound_input, export_onnx, onnx_dir
-from tiers.onnxruntime import BF16_EXPORT
+from tiers.exports.onnx import BF16_EXPORT, bound_input, export_onnx, onnx_dir
+from tiers.exports.tensorrt import NEEDS_GPU, cache_dir, profile_shapes
 
-NEEDS_GPU = "TensorRT needs an NVIDIA GPU"
 NOT_INSTALLED = ("TensorRT Python package not installed (PyPI's `tensorrt` is a stub that downloads from "
                  "pypi.nvidia.com; install it from NVIDIA's index)")
-DEFAULT_MAX_BATCH = "256"
 
 # Compute capabilities TensorRT-RTX supports, from its support matrix ("Supported Hardware", releases 1.0 to 1.5:
 # https://docs.nvidia.com/deeplearning/tensorrt-rtx/latest/getting-started/support-matrix.html): 7.5 Turing,
@@ -85,19 +83,6 @@ def nvml_gpu() -> tuple[str, tuple[int, int]] | None:
     if handle is None:
         return None
     return nv.nvmlDeviceGetName(handle), tuple(nv.nvmlDeviceGetCudaComputeCapability(handle))
-
-
-def profile_shapes(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(min, opt, max) shapes of the input as bound (NHWC for channels-last cells, see bound_input)."""
-    sample = (cell.res, cell.res, 3) if cell.channels_last else (3, cell.res, cell.res)
-    top = max(cell.batch, int(cell.option("trt-max-batch", DEFAULT_MAX_BATCH)))
-    return tuple((b, *sample) for b in (1, cell.batch, top))
-
-
-def cache_dir(store: Store) -> Path:
-    """Where engines and the timing cache are kept: the rung's cache directory (declared in `caches`, so that
-    --isolation cell empties it and a hit is labelled warm-start), or a fresh one outside a ladder."""
-    return store.cache if store.cache else Path(tempfile.mkdtemp(prefix="ladder-tensorrt-"))
 
 
 def onnx_digest(path: Path) -> str:

@@ -22,6 +22,11 @@ from core.cell import Cell, Store
 from core.files import write_atomic
 from core.placement import place_model
 
+# Seen on the H100 (torch 2.11, ORT 1.31.1: "Type 'tensor(bfloat16)' of input parameter ... of operator (Conv) ...
+# is invalid") and checked here with onnx.checker at opset 22 ("W has inconsistent type tensor(float)").
+BF16_EXPORT = ("torch's ONNX exporter makes an invalid bfloat16 graph of this model: batch-norm is folded into "
+               "float32 Conv weights beside bfloat16 activations (and at its default opset 18, Conv has no bfloat16)")
+
 
 def onnx_dir(store: Store) -> tuple[Path, Any]:
     """Where the exported graphs go, and what keeps that place alive: the rung's cache (`caches` declares it, so
