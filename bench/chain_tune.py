@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.cell import Cell, Store  # noqa: E402
 from core.env import device_slug  # noqa: E402
 from core.files import write_text_atomic  # noqa: E402
+from core.stats import median  # noqa: E402
 from core.model import build_model  # noqa: E402
 from core.placement import place_model, torch_dtype  # noqa: E402
 from harness import census  # noqa: E402
@@ -164,8 +164,8 @@ def changes(chosen: dict[str, dict], scores: dict[str, dict[str, list[float]]],
     written: which candidate won where is the finding even when the whole is no faster."""
     lines = []
     for key, entry in sorted(chosen.items()):
-        mine = statistics.median(scores[key][json.dumps(entry, sort_keys=True)])
-        was = f"{statistics.median(table_us[key]):.1f}" if table_us.get(key) else "?"
+        mine = median(scores[key][json.dumps(entry, sort_keys=True)])
+        was = f"{median(table_us[key]):.1f}" if table_us.get(key) else "?"
         config = " ".join(f"{k}={v}" for k, v in sorted(entry["kwargs"].items()))
         lines.append(f"{key}: {was} -> {mine:.1f} us ({config} warps={entry['num_warps']} "
                      f"stages={entry['num_stages']})")
@@ -177,7 +177,7 @@ def faster_beyond_noise(table_us: list[float], chosen_us: list[float], threshold
     than `threshold`, its bootstrap interval excluding none), and the comparison in words. On the H100 a tf32
     chain came out 0.3% faster by its medians with its rounds overlapping: no reason to ship new configurations."""
     ratio, low, high = ratio_ci([table_us], [chosen_us])
-    summary = (f"per replay: table {statistics.median(table_us):.1f} us, chosen {statistics.median(chosen_us):.1f} us "
+    summary = (f"per replay: table {median(table_us):.1f} us, chosen {median(chosen_us):.1f} us "
                f"(x{ratio:.3f}, 95% CI {low:.3f}-{high:.3f})")
     return verdict(ratio, low, high, threshold) == "improvement", summary
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             if key in scores:
                 scores[key].setdefault(json.dumps(table[key], sort_keys=True), []).append(us)
         print(f"variant {i + 1}: {sum(own):.1f} us of kernels", flush=True)
-    best = {k: json.loads(min(s, key=lambda c: statistics.median(s[c]))) for k, s in scores.items()}
+    best = {k: json.loads(min(s, key=lambda c: median(s[c]))) for k, s in scores.items()}
     chosen = {k: c for k, c in best.items() if not same_launch(c, chain.shipped.get(k))}
     graphs = {"table": shipped_graph, "chosen": chain.graph({**chain.shipped, **chosen})}
     times: dict[str, list[float]] = {name: [] for name in graphs}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.chain_tune import Chain, owned_us, pipelined_us  # noqa: E402
 from core.files import write_text_atomic  # noqa: E402
+from core.stats import median  # noqa: E402
 from harness.compare import ratio_ci, verdict  # noqa: E402
 from kernels.triton import tuning  # noqa: E402
 from tiers.triton import TIER  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             times[value].append(pipelined_us(g, replays))
     ratio, low, high = ratio_ci([times[a]], [times[b]])
     change = verdict(ratio, low, high, args.threshold)
-    summary = (f"per replay: {a} {statistics.median(times[a]):.1f} us, {b} {statistics.median(times[b]):.1f} us "
+    summary = (f"per replay: {a} {median(times[a]):.1f} us, {b} {median(times[b]):.1f} us "
                f"(x{ratio:.3f}, 95% CI {low:.3f}-{high:.3f})")
     with torch.no_grad():
         outputs = {value: chain.net(chains[a].x).float().clone() for value, chain in chains.items()}
