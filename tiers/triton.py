@@ -82,21 +82,15 @@ class TritonTier(PythonTier):
     models = MODELS
     cuda_graph = True
     cuda_graph_train = True  # the whole step captured after two warm-up steps, the state put back (train_resnet)
+    # The options (their measurements: the README's option list and the checks it links):
     # launch: each kernel through Triton's own launch path (jit; the CPU's default), or a forward recorded once and
-    # replayed through the compiled kernels' launchers, with its buffers kept (plan: kernels/triton/plan.py; the
-    # GPU's default, 4.9x faster at batch 1 on the H100, results/.../checks/triton-launch/).
-    # pdl: every kernel a programmatic dependent launch, so each launches while the one before finishes, and each
-    # convolution prefetches its weights into L2 before waiting for it (kernels/triton/pdl.py; from Hopper on, the
-    # build stats say whether it ran). The GPU's default outside strict fp32: on the H100, bf16 batch 1 under a
-    # CUDA graph 0.31 -> 0.28 ms on three machines; later bf16 batch 256 6.68 -> 6.37 ms without a graph, 6.41 ->
-    # 6.37 with one; fp32 batch 32 7.68 -> 8.37 ms (results/.../checks/fused-shortcut/, checks/early-epilogue/,
-    # checks/pdl-default/, checks/pdl-stream/).
+    # replayed through the compiled kernels' launchers, its buffers kept (plan: kernels/triton/plan.py).
+    # pdl: every kernel a programmatic dependent launch, each convolution prefetching its weights into L2 before it
+    # waits (kernels/triton/pdl.py; from Hopper on); the GPU's default outside strict fp32, where it was slower.
     # pairs: a bottleneck's 3x3 convolution and the 1x1 after it as one kernel, its output kept on the chip
-    # (kernels/triton/pair.py): where it pays (auto: 16- and 8-bit cells, layers of at most 128 channels with a
-    # tile for every SM), in every block without a downsample (on), or nowhere (off).
+    # (kernels/triton/pair.py): where it pays (auto), in every block without a downsample (on), or nowhere (off).
     # chain: a pair also runs the next block's conv1 on its output, which that conv1 then never reads back: where it
-    # pays (auto: a 64-channel conv1 after a pair without a downsample), wherever it can (on: a 1x1 of at most 128
-    # channels), or nowhere (off).
+    # pays (auto), wherever it can (on), or nowhere (off).
     options = {"autotune": ("on", "off"), "launch": ("jit", "plan"), "pdl": ("off", "on"),
                "pairs": ("auto", "on", "off"), "chain": ("auto", "on", "off")}
     caches = ("triton",)
