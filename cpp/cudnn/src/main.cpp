@@ -21,9 +21,9 @@ rung::NetOptions options(const ladder::Args& a) {
   if (!a.get("tunings", "").empty()) tables.push_back(a.get("tunings"));
   const std::string own = a.get("cache-dir", "").empty() ? "" : a.get("cache-dir") + "/engines.tsv";
   if (!own.empty()) tables.push_back(own);
-  // At batch 256 strict fp32's fast engines need about 1 GiB of workspace: training's data gradients (under 512 MiB
-  // only one 100x slower engine was left) and inference's convolutions (H100, retuned: 79.9 ms a forward under
-  // 512 MiB, 71.9 ms under 2 GiB). The workspace actually kept is the most the chosen engines need.
+  // At batch 256 strict fp32's fast engines need about 1 GiB of workspace (the measurements:
+  // docs/notes/handwritten-toward-the-limit.md, results/.../checks/cudnn-fp32-workspace/). The workspace actually
+  // kept is the most the chosen engines need.
   return {a.i("batch"), a.i("res"), p, nhwc, {std::stoi(a.option("autotune", "8")), a.flag("cuda-graph")},
           std::stoull(a.option("workspace-mb", "2048")) << 20, tables, own};
 }

@@ -2,12 +2,12 @@
 // between tiled layouts, and the input layouts of the network. Host-only C++ (the CUDA kernel that converts the
 // input uses InputLayout::source; tests/cpp/stem_test.cpp checks the whole mapping on the host against the 7x7).
 //
-// cuDNN ran the 7x7 stride-2 stem, its 3 channels zero-padded to 8, on one slow engine (1.79 of 8.56 ms at bf16
-// batch 256 on the H100; over 2x2 pixel tiles, 0.72 ms). Tiled: input tile (a', b') holds, at pixel (u, v) of its
-// 4x4, image pixel (4a' + u - kStemShift, 4b' + v - kStemShift) (48 channels); output tile (i, j) holds, at channel
-// (dy * 2 + dx) * k + o, output pixel (2i + dy, 2j + dx)'s channel o (tiled_pixel). Output row 2i + dy reads image
-// rows 4i + 2dy + y - 3 (y < 7), which input tile row i + a holds at u = y + 2 + 2dy - 4a: a 3x3 stride-1
-// convolution over the tiles, 4k wide, the kind cuDNN runs fast (0.38 ms).
+// Why: cuDNN runs the 7x7 stride-2 stem over 3 channels on one slow engine; as a 3x3 stride-1 convolution between
+// tiled layouts it runs on the fast ones (the measurements: docs/notes/handwritten-toward-the-limit.md).
+// Tiled: input tile (a', b') holds, at pixel (u, v) of its 4x4, image pixel (4a' + u - kStemShift, 4b' + v -
+// kStemShift) (48 channels); output tile (i, j) holds, at channel (dy * 2 + dx) * k + o, output pixel (2i + dy,
+// 2j + dx)'s channel o (tiled_pixel). Output row 2i + dy reads image rows 4i + 2dy + y - 3 (y < 7), which input
+// tile row i + a holds at u = y + 2 + 2dy - 4a: a 3x3 stride-1 convolution over the tiles, 4k wide.
 #pragma once
 #include <cstddef>
 #include <vector>
