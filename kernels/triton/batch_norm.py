@@ -29,11 +29,12 @@ from kernels.triton.split import row_slices
 
 BLOCK_P, BLOCK_C = 32, 64  # 64 columns: a 128-byte row of a bf16 tile; BLOCK_P rows: the untuned row block
 # The reductions walk their slice a row block at a time, so a block's bytes are what each program has in flight:
-# 4 KiB at 32 rows of bf16 left the H200's moments at 15% of its bandwidth (docs/notes/triton-training.md).
-# Tuned, up to 256 rows (32 KiB); a slice's rows are a multiple of the largest, so that any block walks it whole.
+# 4 KiB at 32 rows of bf16 is too little to near the memory's bandwidth (docs/notes/triton-training.md). Tuned, up
+# to 256 rows (32 KiB); a slice's rows are a multiple of the largest, so that any block walks it whole.
 REDUCTION_CONFIGS = [triton.Config({"BLOCK_P": rows}, num_warps=warps, num_stages=3)
                      for rows in (32, 64, 128, 256) for warps in (4, 8)]
 MAX_BLOCK_P = max(c.kwargs["BLOCK_P"] for c in REDUCTION_CONFIGS)
+UNTUNED = dict(BLOCK_P=BLOCK_P, num_warps=4, num_stages=3)
 
 
 @tuning.autotune(REDUCTION_CONFIGS, key=["P", "C"])
@@ -171,9 +172,6 @@ def channel_sum(x: torch.Tensor, tune: bool = True) -> torch.Tensor:
     """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
     mean, _ = _moments(x, tune)
     return mean * (x.numel() // x.shape[-1])
-
-
-UNTUNED = dict(BLOCK_P=BLOCK_P, num_warps=4, num_stages=3)
 
 
 def _slices(x: torch.Tensor, tune: bool) -> tuple[int, int]:
