@@ -94,11 +94,16 @@ def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_n
     assert "(training steps)" in proc.stdout
 
 
+# train-to-accuracy's CPU test trains six rungs for 4 epochs: about 5 minutes on an idle 2-core host, and past the
+# suite's 1,200 s hang guard beside a CPU burner (issue 57: the suite must pass on a busy host), so its own is longer.
+BUSY_HOST_TIMEOUT_S = 2400
+
+
 def train_to_accuracy(out, *args: str, extra_tiers: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), **({"LADDER_EXTRA_TIERS": "tests.failing_tiers"} if extra_tiers
                                                      else {})}
     proc = subprocess.run([sys.executable, "-m", "harness", "train-to-accuracy", "--out", str(out), *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=1800)
+                          env=env, capture_output=True, text=True, timeout=BUSY_HOST_TIMEOUT_S - 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "accuracy.json").read_text())
 
@@ -118,6 +123,7 @@ def final_within_points_of_eager(doc: dict, points: float) -> None:
         assert abs(r["final_test_accuracy"] - eager) * 100 <= points, (r["rung"], r["final_test_accuracy"], eager)
 
 
+@pytest.mark.timeout(BUSY_HOST_TIMEOUT_S)
 def test_train_to_accuracy_on_digits_reaches_90_percent(tmp_path):
     """Python rungs (eager, torchscript) and the C++ libtorch program (fed the same images, batch order and rates
     through the contract's --train-data), and eager's twin in the other layout, reach 90% and end within 1.5 points
