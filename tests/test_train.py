@@ -94,7 +94,7 @@ def test_train_ladder_measures_the_rungs_that_train_and_says_why_the_others_do_n
     assert "(training steps)" in proc.stdout
 
 
-# train-to-accuracy's CPU test trains six rungs for 4 epochs: about 5 minutes on an idle 2-core host, and past the
+# train-to-accuracy's CPU test trains six rungs for 4 epochs: 216 s on an idle 2-core host (2026-11-29), and past the
 # suite's 1,200 s hang guard beside a CPU burner (issue 57: the suite must pass on a busy host), so its own is longer.
 BUSY_HOST_TIMEOUT_S = 2400
 
