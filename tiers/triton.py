@@ -209,7 +209,7 @@ class TritonTier(PythonTier):
                 if y is not None:
                     labels.copy_(y)
                 graph.replay()
-                return loss.clone()  # the graph's loss buffer is the next replay's: a caller keeps each step's own
+                return loss
 
             return Built(forward=replay, state=lambda: train.state_of(net), captured=True,
                          stats={**stats, "cuda_graph": True, "memory": step.memory()})

@@ -28,7 +28,6 @@ from kernels.triton.split import row_slices
 from kernels.triton.tuning import autotune, launch
 
 MIN_TILE = 16  # tl.dot's smallest side
-SLICE_ROWS = 64  # a slice's rows are a multiple of this, the largest BLOCK_P, so that every config walks them whole
 
 
 def _weight_grad_config(block_c, block_k, block_p, warps, stages):
@@ -41,6 +40,8 @@ def _weight_grad_config(block_c, block_k, block_p, warps, stages):
 WEIGHT_GRAD_CONFIGS = [_weight_grad_config(c, k, bp, w, st) for c, k, bp, w, st in (
     (64, 64, 32, 4, 3), (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 32, 8, 3),
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4))]
+# A slice's rows are a multiple of the largest BLOCK_P, so that every configuration walks them whole.
+SLICE_ROWS = max(c.kwargs["BLOCK_P"] for c in WEIGHT_GRAD_CONFIGS)
 
 
 def _prune_weight_grad(configs, args, **_):
