@@ -272,6 +272,17 @@ def test_two_training_steps_are_eager_steps():
              for name, value in wrong.state().items() if name.startswith("param.")}
     assert abs(gains["param.layer2.0.conv1.weight"] - 0.7) < 0.01 and abs(gains["param.bn1.weight"] - 1) < 1e-3
 
+    # the GPU build's warm step (where kernels compile and tune) leaves no trace: weights, running statistics and
+    # momentum as they were, so that the next step is the first
+    from kernels.triton.train_resnet import TritonTrainStep
+
+    fresh = small_resnet("basic")
+    before = {k: v.clone() for k, v in train.state_of(fresh).items()}
+    warmed = TritonTrainStep(fresh, torch.float32, torch.tensor([0.02]), train.MOMENTUM, train.WEIGHT_DECAY)
+    warmed.warm(x, labels)
+    assert warmed.steps == 1 and not warmed.momentum_buffer.any()
+    assert all(torch.equal(v, before[k]) for k, v in train.state_of(fresh).items())
+
 
 def test_every_training_kernels_configuration_compiles_for_hopper():
     """The autotuner's configurations of the weight gradient (by taps, and with the taps in the tile) and of the

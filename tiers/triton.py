@@ -8,11 +8,13 @@ came from. Option autotune=off runs one heuristic config per kernel instead (fas
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
 from functools import partial
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,42 @@ def untuned(stage: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
             tuning.NO_AUTOTUNE = saved
     return run
 
+
+
+def _tuning_tables(store: Store, tune: bool) -> tuple[Path | None, list[str]]:
+    """The run's own tuning file, and the tables read into the launches' lookup (kernels/triton/tuning.py): the
+    ones shipped for this GPU model (none under --retune), then the run's, when tuning is on."""
+    from kernels.triton import tuning  # as in build
+
+    tuned_file = store.cache / "tuned.json" if store.cache else None
+    return tuned_file, (tuning.load_tables(store.tunings, tuned_file) if tune else [])
+
+
+@contextlib.contextmanager
+def _tuning_stats(tune: bool, tuned_file: Path | None, tables: list[str], example: torch.Tensor,
+                  warm: str) -> Iterator[dict]:
+    """Around a build's warm `warm` (a forward, or a training step): yields the build stats it fills on leaving,
+    what tuning and compiling cost there, and saves what was autotuned to the run's tuning file."""
+    from kernels.triton import tuning  # as in build
+
+    before, start, stats = dict(tuning.STATS), time.perf_counter(), {}
+    yield stats
+    if example.is_cuda:
+        torch.cuda.synchronize()
+    if tuned_file and tuning.TUNED:
+        tuning.save_tuned(tuned_file, {"gpu": torch.cuda.get_device_name() if example.is_cuda else "cpu",
+                                       "triton": triton_version()})
+    stats.update({
+        # the interpreter never autotunes
+        "autotune": "interpreter" if tuning.INTERPRET else ("on" if tune else "off"),
+        "interpreted": tuning.INTERPRET,  # the timings are the interpreter's (harness/record.py `interpreted`)
+        "tuning_tables": tables,  # tuning tables read: shipped for this GPU model, and the run's own
+        "table_hits": tuning.STATS["table_hits"] - before["table_hits"],  # launches configured from a table
+        "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
+        "autotune_benchmarks": tuning.STATS["benchmarks"] - before["benchmarks"],  # 0 = nothing autotuned here
+        f"warm_{warm}_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
+        f"launches_per_{warm}": tuning.STATS["launches"] - before["launches"],  # in the warm pass
+    })
 
 class TritonTier(PythonTier):
     name = "triton"
@@ -139,69 +177,54 @@ class TritonTier(PythonTier):
         return super().supports(cell)
 
     def build(self, model, example, cell: Cell, store: Store) -> Built:
-        from kernels.triton import tuning  # Triton itself: imported only where it runs (availability says why not)
-        from kernels.triton.resnet import TritonResNet  # as above
+        # Triton itself: imported only where it runs (availability says why not)
+        from kernels.triton.resnet import TritonResNet
 
         tune = self.setting(cell, "autotune") == "on"
-        tuned_file = store.cache / "tuned.json" if store.cache else None
-        tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
+        tuned_file, tables = _tuning_tables(store, tune)
         fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
         # Programmatic dependent launch exists from Hopper (compute capability 9.0) on; before it, pdl=on runs off.
         pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
                            planned=self.setting(cell, "launch") == "plan", pdl=pdl, pairs=self.setting(cell, "pairs"),
                            chains=self.setting(cell, "chain"))
-        before = dict(tuning.STATS)
-        start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), _tuning_stats(tune, tuned_file, tables, example, "forward") as stats:
             net(example)  # compiles every kernel variant; configurations from the tables, else autotuned
-        if example.is_cuda:
-            torch.cuda.synchronize()
-        benchmarks = tuning.STATS["benchmarks"] - before["benchmarks"]
-        if tuned_file and tuning.TUNED:
-            tuning.save_tuned(tuned_file, {"gpu": torch.cuda.get_device_name() if example.is_cuda else "cpu",
-                                           "triton": triton_version()})
-        stats = {
-            # the interpreter never autotunes
-            "autotune": "interpreter" if tuning.INTERPRET else ("on" if tune else "off"),
-            "interpreted": tuning.INTERPRET,  # the timings are the interpreter's (harness/record.py `interpreted`)
-            "tuning_tables": tables,  # tuning tables read: shipped for this GPU model, and the run's own
-            "table_hits": tuning.STATS["table_hits"] - before["table_hits"],  # launches configured from a table
-            "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),
-            "autotune_benchmarks": benchmarks,  # configs timed; 0 = nothing autotuned here
-            "warm_forward_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
-            "launches_per_forward": tuning.STATS["launches"] - before["launches"],  # in the warm forward
+        stats.update({
             "launch": "plan" if net.planned else "jit",  # Triton's launch path, or a recorded forward replayed
             "pdl": "on" if pdl else "off",  # programmatic dependent launches, as run
             "pairs": self.setting(cell, "pairs"),  # as set; launches_per_forward counts the kernels that ran
             "chain": self.setting(cell, "chain"),
             **({"fp8": FP8_RECIPE} if fp8 else {}),
-        }
+        })
         return Built(forward=net, stats=stats, layer_scopes=lambda: net.layer_scopes(SCOPE),
                      stages=lambda: [(name, untuned(stage)) for name, stage in net.stages(torch_dtype(cell.dtype))])
 
     def build_train(self, model, example, cell: Cell, store: Store, lr=None) -> Built:
         """core/train.py's step in Triton kernels (kernels/triton/train_resnet.py): in fp32 strict, in bf16 with
         bf16 activations over fp32 master weights."""
-        from kernels.triton import tuning  # Triton itself: imported only where it runs
-        from kernels.triton.train_resnet import TritonTrainStep  # as above
+        from kernels.triton.train_resnet import TritonTrainStep  # Triton itself: imported only where it runs
 
         net = train.place_for_training(model, cell)
         rate = torch.tensor([train.LEARNING_RATE if lr is None else float(lr)], device=cell.device)
-        step = TritonTrainStep(net, torch_dtype(cell.dtype), rate, train.MOMENTUM, train.WEIGHT_DECAY,
-                               tune=self.setting(cell, "autotune") == "on")
+        tune = self.setting(cell, "autotune") == "on"
+        tuned_file, tables = _tuning_tables(store, tune)
+        step = TritonTrainStep(net, torch_dtype(cell.dtype), rate, train.MOMENTUM, train.WEIGHT_DECAY, tune=tune)
         targets = train.labels(cell.batch + 1, num_classes(net), cell.device)
-        stats = {"autotune": "interpreter" if tuning.INTERPRET else self.setting(cell, "autotune"),
-                 "interpreted": tuning.INTERPRET}
+        labels = targets[: example.shape[0]]
 
         def set_rate() -> None:
             if torch.is_tensor(lr):  # a schedule's rate, set in place before each step (train-to-accuracy)
                 rate.copy_(lr.reshape(1), non_blocking=True)
 
-        if cell.cuda_graph:  # the whole step one graph, over the example's buffer (which the worker passes)
-            labels = targets[: example.shape[0]]
-            graph, loss = step.capture(example, labels)
-
+        # On the GPU every kernel is compiled and tuned here, in warm steps whose updates are undone (the
+        # interpreter compiles and tunes nothing: its first step is its own).
+        with _tuning_stats(tune, tuned_file, tables, example, "step") as stats:
+            if cell.cuda_graph:  # the whole step one graph, over the example's buffer (which the worker passes)
+                graph, loss = step.capture(example, labels)
+            elif example.is_cuda:
+                step.warm(example, labels)
+        if cell.cuda_graph:
             def replay(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
                 set_rate()
                 if x is not example:
@@ -217,12 +240,14 @@ class TritonTier(PythonTier):
         def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
             set_rate()
             loss = step(x, targets[: x.shape[0]] if y is None else y)
-            if step.steps == 1:  # what the forward saves is known from the first step on
+            if "memory" not in built.stats:  # what the forward saves is known from the first step on
                 built.stats["memory"] = step.memory()
             return loss
 
         built = Built(forward=forward, state=lambda: train.state_of(net), stats=stats,
                       layer_scopes=lambda: step.layer_scopes(SCOPE))
+        if step.steps:
+            stats["memory"] = step.memory()
         return built
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",

@@ -133,24 +133,30 @@ class TritonTrainStep:
     def _scope(self, path: str):
         return self._range(f"{self.scoped}{path}")
 
-    def capture(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The step on `x` and `labels` as a CUDA graph, and the loss tensor each replay writes: two steps on a side
-        stream first (every shape autotuned and compiled, the caches filled, as capture requires), then the capture;
-        the weights, momentum and running statistics are then put back as they were, so that the first replay is
-        the first step. Replays read `x` and `labels` (copy new batches into them) and the rate tensor."""
+    def warm(self, x: torch.Tensor, labels: torch.Tensor, steps: int = 1) -> None:
+        """`steps` steps on `x` and `labels` that compile (and, with tuning, tune) every kernel of the step; then
+        the weights, momentum and running statistics are put back as they were, so that the next step is the
+        first."""
         live = (self.weights, self.momentum_buffer, *self.model.buffers())
         state = [t.clone() for t in live]
+        for _ in range(steps):
+            self(x, labels)
+        for tensor, saved in zip(live, state):
+            tensor.copy_(saved)
+
+    def capture(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step on `x` and `labels` as a CUDA graph, and the loss tensor each replay writes: two warm steps on a
+        side stream first (every shape compiled, the caches filled, as capture requires), then the capture, which
+        runs nothing: the first replay is the first step. Replays read `x` and `labels` (copy new batches into
+        them) and the rate tensor."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self(x, labels)
+            self.warm(x, labels, steps=2)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = self(x, labels)
-        for tensor, saved in zip(live, state):
-            tensor.copy_(saved)
         return graph, loss
 
     def memory(self) -> dict[str, int]:
