@@ -1,6 +1,6 @@
 """What the reports derive from records, before any rendering: each cell's eager baseline and speed-up (and whether
-it divides two runs' host draws or two GPUs), the flat row every table shows, and the fastest cell per
-configuration."""
+it divides two runs' host draws or two GPUs), and the fastest cell per configuration (harness/columns.py turns
+them into the tables' and the CSV's columns)."""
 from __future__ import annotations
 
 from core.cell import layout_name
@@ -108,60 +108,6 @@ def mixes_gpus(base: dict | None, r: dict) -> bool:
 
 def fmt(v: float | None, spec: str) -> str:
     return "" if v is None else format(v, spec)
-
-
-def rows(records: list[dict]) -> list[dict[str, str]]:
-    """One flat row per record: what the tables show."""
-    out = []
-    for r in records:
-        ok = r["status"] == Status.OK
-        speed = ranked(r)  # an interpreted cell's timings are shown as such, never as img/s or a speed-up
-        lat = r.get("latency_ms") or {}
-        mem = r.get("memory") or {}
-        nv = mem.get("nvml_process_peak_bytes")
-        alloc = mem.get("allocator_peak_bytes")
-        par = r.get("parity") or {}
-        clk = (r.get("clocks") or {}) if ok else {}
-        base = eager_baseline(records, r)
-        vs_eager = speedup(base, r)
-        vs_framework = speedup(best_framework(records, r), r)
-        out.append({
-            "rung": r["label"] + (" (interpreted)" if ok and not speed else "") + (CONTENDED_MARK if ok and contended(r)
-                                                                                 else ""),
-            "task": r.get("task", "infer"),
-            "batch": str(r["batch"]),
-            "res": str(r["res"]),
-            "dtype": r["dtype"],
-            "layout": layout_name(r["channels_last"]),
-            "start": r.get("start") or "",
-            "status": Status.OK if ok else f"{r['status'].upper()}: {r.get('reason') or ''}"[:90],
-            "median ms": fmt(lat.get("median"), ".3f") if ok else "",
-            "p99 ms": fmt(lat.get("p99"), ".3f") if ok else "",
-            "CV %": fmt(lat.get("cv", 0) * 100, ".1f") if ok else "",
-            "img/s": fmt(r.get("throughput_img_s"), ",.0f") if speed else "",
-            "pipelined img/s": fmt((r.get("pipelined") or {}).get("throughput_img_s"), ",.0f") if speed else "",
-            "vs eager": (fmt(vs_eager, ".2f") + "x" + mixed(r) + (CROSS_RUN if mixes_host_draws(base, r) else "")
-                         + (CROSS_GPU if mixes_gpus(base, r) else "") if vs_eager else ""),
-            "vs fw": fmt(vs_framework, ".2f") + "x" + mixed(r) if vs_framework else "",
-            "host us/call": fmt((r.get("host_overhead_us") or {}).get("median"), ".0f") if ok else "",
-            "bound": bound(r) or "",
-            "TFLOP/s": fmt((r.get("tflops") or {}).get("achieved"), ".1f") if speed and r["device"] == "cuda" else "",
-            "first result s": fmt((r.get("cold") or {}).get("time_to_first_result_s"), ".1f"),
-            "img/J": fmt((r.get("utilisation") or {}).get("img_per_joule"), ".1f") if speed else "",
-            "SM MHz": fmt(clk.get("sm_clock_mhz_median"), ".0f") + (SLOW_MARK if clk.get("slow") else ""),
-            "W": fmt(clk.get("power_w_median"), ".0f"),
-            "sustained img/s": fmt((r.get("sustained") or {}).get("throughput_img_s"), ",.0f") if speed else "",
-            "sustained img/J": fmt((r.get("sustained") or {}).get("img_per_joule"), ".1f") if speed else "",
-            "GPU MiB (NVML)": fmt(nv / 2**20, ".0f") if nv else "",
-            "alloc MiB": fmt(alloc / 2**20, ".0f") if alloc else "",
-            "parity": ("" if par.get("ok") is None else
-                       f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"),
-            "err/eager": fmt(par.get("ratio_to_eager"), ".2f"),
-            "recipe err": fmt((par.get("recipe") or {}).get("norm_rel_err"), ".1e"),
-            "stage err": (f"{fmt(par['stages']['norm_rel_err'], '.1e')} {par['stages']['worst']}"
-                          if par.get("stages") else ""),
-        })
-    return out
 
 
 def fastest_lines(records: list[dict]) -> list[str]:

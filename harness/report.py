@@ -14,12 +14,12 @@ from rich.text import Text
 
 from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
-from harness.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, PEAK_SPREAD, best_framework,
-                            clock_lines, eager_baseline, fastest_lines, fmt, mixes_gpus, mixes_host_draws, rows,
-                            speedup, speedups)
+from harness.columns import csv_rows, how_to_read, rows
+from harness.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, PEAK_SPREAD, clock_lines,
+                            eager_baseline, fastest_lines, speedup, speedups)
 from harness.load import BadInput, load_records
 from harness.plots import write_plots
-from harness.record import CONTENDED_MARK, bound, contended, contended_line, document, ranked
+from harness.record import CONTENDED_MARK, contended, contended_line, document, ranked
 from harness.status import NOT_RUN, Status
 from harness.tables import markdown_table, drop_empty_columns
 
@@ -146,70 +146,11 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
     return "\n".join(lines)
 
 
-def how_to_read(gpu: bool) -> str:
-    """The markdown's key to its columns, for the device its cells ran on."""
-    timing = ("median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one sync per forward)"
-              if gpu else "median/p99 = warm per-forward wall time on the host (the CPU computes the forward)")
-    device_columns = ("; bound = host where the CPU time to issue a forward is most of its latency (the figure "
-                      "then measures the host and varies between processes), gpu otherwise; GPU MiB = NVML "
-                      "per-process peak (CUDA context included); alloc MiB = torch allocator peak in steady state"
-                      if gpu else "; bound, TFLOP/s, img/J, GPU MiB and alloc MiB are GPU figures, left out on the CPU")
-    return (f"How to read it: {timing}; img/s = batch / median; pipelined = no sync between forwards; host us/call "
-            f"= CPU time inside one forward call{device_columns}; first result = load + build + first forward in "
-            "a fresh process (fresh JIT caches); parity rel err = max|out-ref|/max|ref| against eager fp32; "
-            "err/eager = that error over eager's at the same dtype (bf16 for fp8); vs fw = speed-up over the fastest "
-            "framework (not hand-written) cell of the same task, batch, res and dtype, in any layout, mode or option; "
-            "recipe err = ||out-recipe||/||recipe|| against the rung's own recipe at its dtype; stage err = the same "
-            "per stage, each stage of the rung fed the recipe's input for it (first images), its worst stage "
-            "(docs/notes/parity.md); SM MHz and W = NVML's SM clock and board power while the cell was timed (median; "
-            "* = below 95% of the maximum clock); img/J = over the util pass's seconds of back-to-back calls; "
-            "sustained = the last 2 s after --sustain seconds of load. Full definitions and raw samples are in the "
-            "JSON.")
-
-
-def _get(r: dict, path: str):
-    for part in path.split("."):
-        r = r.get(part) if isinstance(r, dict) else None
-    return r
-
-
-CSV_FIELDS = {  # column: dotted path into the record; numbers in their unit, plain words, empty where absent
-    "rung": "label", "tier": "tier", "task": "task", "model": "model", "batch": "batch", "res": "res",
-    "dtype": "dtype", "layout": "layout", "cuda_graph": "cuda_graph", "device": "device", "status": "status",
-    "reason": "reason",
-    "start": "start", "latency_median_ms": "latency_ms.median", "latency_p90_ms": "latency_ms.p90",
-    "latency_p99_ms": "latency_ms.p99", "latency_ci95_low_ms": "latency_ms.ci95_low",
-    "latency_ci95_high_ms": "latency_ms.ci95_high", "latency_cv": "latency_ms.cv", "latency_n": "latency_ms.n",
-    "throughput_img_s": "throughput_img_s", "pipelined_img_s": "pipelined.throughput_img_s",
-    "host_overhead_us": "host_overhead_us.median", "bound": "bound", "e2e_pageable_ms": "e2e_ms.pageable.median",
-    "e2e_pinned_ms": "e2e_ms.pinned.median", "e2e_device_ms": "e2e_ms.device.median",
-    "tflops": "tflops.achieved", "share_of_measured_peak": "tflops.share_of_measured_peak",
-    "load_s": "cold.load_s", "build_s": "cold.build_s", "first_result_s": "cold.first_result_s",
-    "time_to_first_result_s": "cold.time_to_first_result_s", "allocator_peak_bytes": "memory.allocator_peak_bytes",
-    "nvml_process_peak_bytes": "memory.nvml_process_peak_bytes", "rss_peak_bytes": "memory.rss_peak_bytes",
-    "img_per_joule": "utilisation.img_per_joule", "parity_ok": "parity.ok", "parity_rel_err": "parity.rel_err",
-    "parity_ratio_to_eager": "parity.ratio_to_eager", "parity_recipe_rel_err": "parity.recipe.norm_rel_err",
-    "parity_stage_rel_err": "parity.stages.norm_rel_err", "parity_worst_stage": "parity.stages.worst",
-    "contended": "contention.flagged", "other_cpus_busy": "contention.other_cpus_busy",
-    "host": "where.host", "gpu": "where.gpu.name", "gpu_uuid": "where.gpu.uuid",
-}
-
-
 def to_csv(doc: dict) -> str:
-    """Machine-readable: one row per record, numbers unformatted, plus the speed-up over eager and whether it
-    divides two runs' host-bound draws (mixes_host_draws) or two different GPUs (mixes_gpus)."""
-    records = doc["results"]
+    """Machine-readable: one row per record, numbers unformatted (harness/columns.py: the columns and their
+    values), the speed-ups with whether they divide two runs' host-bound draws or two different GPUs."""
     buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow([*CSV_FIELDS, "speedup_vs_eager", "speedup_cross_run", "speedup_cross_gpu",
-                "speedup_vs_best_framework", "best_framework"])
-    for r in records:
-        r = {**r, "layout": r.get("layout") or layout_name(r["channels_last"]), "bound": bound(r),
-             "task": r.get("task", "infer")}
-        base, framework = eager_baseline(records, r), best_framework(records, r)
-        w.writerow([("" if v is None else v) for v in (_get(r, path) for path in CSV_FIELDS.values())]
-                   + [fmt(speedup(base, r), ".6g"), mixes_host_draws(base, r), mixes_gpus(base, r),
-                      fmt(speedup(framework, r), ".6g"), framework["label"] if framework else ""])
+    csv.writer(buf).writerows(csv_rows(doc["results"]))
     return buf.getvalue()
 
 

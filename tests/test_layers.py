@@ -98,7 +98,7 @@ ROOMS = {
     "child": {"contract", "worker", "profile", "timing", "layerbench", "reference"},
     "run": {"plan", "prepare", "executor", "measure", "watch", "context", "rundir", "sampler", "contention",
             "failures", "record", "census", "status", "refusal", "host_noise"},
-    "results": {"load", "derive", "tables", "report", "plots", "census_plot", "compare"},
+    "results": {"load", "derive", "columns", "tables", "report", "plots", "census_plot", "compare"},
     "commands": {"__main__", "cli", "ladder", "accuracy", "mutations", "listing", "micro", "census_report",
                  "layers_report"},
 }

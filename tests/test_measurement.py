@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import derive, host_noise, report
+from harness import columns, derive, host_noise, report
 from harness import record as records
 from core.parity import TOLERANCES, compare
 from core.stats import summarize
@@ -90,10 +90,10 @@ def test_an_interpreted_cell_is_labelled_and_never_ranked():
     the fastest lines and compare pass it over; a compiled cell of the same shape is ranked."""
     eager = record(latency_ms=2.0)
     fast_but_interpreted = record(tier="triton", latency_ms=1.0, interpreted=True)
-    rows = derive.rows([eager, fast_but_interpreted])
+    rows = columns.rows([eager, fast_but_interpreted])
     assert rows[1]["rung"] == "triton (interpreted)" and rows[1]["img/s"] == rows[1]["vs eager"] == ""
     assert "fastest eager" in derive.fastest_lines([eager, fast_but_interpreted])[0]
-    assert derive.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
+    assert columns.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
     from harness.compare import compare as compare_runs
 
     verdicts = {r["rung"]: r["verdict"] for r in compare_runs([[fast_but_interpreted]], [[fast_but_interpreted]], 0.03)}
@@ -113,7 +113,7 @@ def test_speedups_dividing_two_runs_host_bound_figures_are_marked():
     for eager_run, eager_host, rung_run, rung_host, marked in cases:
         eager = record(host_us=eager_host, run=eager_run, latency_ms=2.0)
         rung = record(tier="compile", host_us=rung_host, run=rung_run, latency_ms=1.0)
-        row = derive.rows([eager, rung])[1]
+        row = columns.rows([eager, rung])[1]
         assert row["vs eager"] == "2.00x" + (derive.CROSS_RUN if marked else ""), (eager_run, rung_run, row)
 
 
@@ -204,7 +204,7 @@ def test_speedups_dividing_two_different_gpus_are_marked():
     ]
     for base_gpu, rung_gpu, marked in cases:
         eager, rung = record(latency_ms=2.0, where=base_gpu), record(tier="cudnn", latency_ms=1.0, where=rung_gpu)
-        row = derive.rows([eager, rung])[1]
+        row = columns.rows([eager, rung])[1]
         assert row["vs eager"] == "2.00x" + ("‡" if marked else ""), (base_gpu, rung_gpu)
         assert ("‡ this rung and eager ran on two GPUs" in report.markdown(
             records.document([eager, rung], {"cpu": "x"}, {}))) == marked
@@ -224,8 +224,8 @@ def test_the_terminal_table_tells_two_resolutions_apart():
 
 @pytest.mark.quick
 def test_the_markdown_key_matches_the_device_and_a_merged_report_has_no_single_start():
-    assert "CUDA events" in report.how_to_read(gpu=True)
-    cpu = report.how_to_read(gpu=False)
+    assert "CUDA events" in columns.how_to_read(gpu=True)
+    cpu = columns.how_to_read(gpu=False)
     assert "CUDA events" not in cpu and "wall time on the host" in cpu
     env = {"started_utc": "2026-11-25T08:00:00+00:00", "cpu": "x"}
     doc = records.document([record(device="cpu")], env, {}, {"runs": [{"source": "a", "environment": env},
