@@ -10,7 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include <cudnn.h>
+
+#include "device_memory.h"
+#include "precision.h"
 
 namespace rung {
 
@@ -64,7 +67,7 @@ struct ConvIO {
   const void* z;     // added to the pass's output (y, or dx), same shape; only for Epilogue::BiasAddRelu and Add
   void* y;
   // Epilogue::Stats: fused, cuDNN's per-channel sum then sum of squares of y ([2][k] fp32); unfused,
-  // bn_statistics()'s partial sums (train_kernels.h)
+  // bn_statistics()'s partial sums (training_kernels.h)
   float* stats = nullptr;
 };
 

@@ -1,5 +1,8 @@
 #include "linear.h"
 
+#include "checks.h"
+#include "gpu_timing.h"
+
 namespace rung {
 
 Gemm::Gemm(const Precision& p, GemmShape shape, const void* a, const void* b, void* c, const void* bias,

@@ -2,7 +2,10 @@
 // fastest of the heuristic's candidates, timed at build. The classifier's forward is one (Linear); training adds its
 // data and weight gradients.
 #pragma once
-#include "common.h"
+#include <cublasLt.h>
+
+#include "device_memory.h"
+#include "precision.h"
 
 namespace rung {
 

@@ -5,6 +5,8 @@
 #include <iostream>
 
 #include "census.h"
+#include "device_memory.h"
+#include "gpu_timing.h"
 #include "net.h"
 #include "train_net.h"
 

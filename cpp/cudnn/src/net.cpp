@@ -6,16 +6,18 @@
 #include <map>
 #include <sstream>
 
-#include "kernels.h"
+#include "checks.h"
+#include "gpu_timing.h"
+#include "inference_kernels.h"
 #include "memory_plan.h"
-#include "train_kernels.h"
+#include "pool_kernels.h"
 
 namespace rung {
 
 struct ResNet50::Pool : PoolDesc {
   using PoolDesc::PoolDesc;
   int in = -1, out = -1;
-  // Max-pooling in NHWC runs on our kernel (the training rung's forward, train_kernels.h): cuDNN's took 0.31 ms for
+  // Max-pooling in NHWC runs on our kernel (pool_kernels.h, shared with the training step): cuDNN's took 0.31 ms for
   // the stem's at bf16 batch 256 on the H100, twice its bytes' time.
   bool ours = false;
   PoolShape shape{};

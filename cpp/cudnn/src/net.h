@@ -7,9 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
 #include "conv.h"
+#include "device_memory.h"
 #include "linear.h"
+#include "precision.h"
 
 namespace rung {
 

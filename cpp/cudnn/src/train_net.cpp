@@ -2,8 +2,11 @@
 
 #include <algorithm>
 
-#include "kernels.h"
+#include "checks.h"
+#include "gpu_timing.h"
+#include "inference_kernels.h"
 #include "memory_plan.h"
+#include "pool_kernels.h"
 
 namespace rung {
 namespace {

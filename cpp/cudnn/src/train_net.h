@@ -1,7 +1,7 @@
 // torchvision's ResNet-50 training step (core/train.py make_step), by hand: BatchNorm in training mode, cross-entropy,
 // the whole backward, and SGD with momentum and weight decay. Convolutions in their three passes by cuDNN's graph API
 // (conv.h), pooling and its backward by cuDNN, the classifier and its gradients by cuBLASLt (linear.h), the rest by
-// our kernels (train_kernels.h). NHWC. bf16 and fp16 keep fp32 master weights, BatchNorm parameters and statistics,
+// our kernels (training_kernels.h, pool_kernels.h). NHWC. bf16 and fp16 keep fp32 master weights, BatchNorm parameters and statistics,
 // as autocast does; every activation and gradient of the step lives in one memory plan (memory_plan.h).
 #pragma once
 #include <array>
@@ -12,7 +12,7 @@
 #include "conv.h"
 #include "linear.h"
 #include "net.h"
-#include "train_kernels.h"
+#include "training_kernels.h"
 
 namespace rung {
 

@@ -1,5 +1,7 @@
-#include "kernels.h"
-#include "typed.cuh"
+#include "inference_kernels.h"
+
+#include "device_helpers.cuh"
+#include "ladder/protocol.h"  // LADDER_CUDA
 
 namespace rung {
 namespace {
@@ -89,27 +91,6 @@ void bias_add_relu(void* y, const void* bias, const void* z, bool relu, Storage 
     }
   });
   LADDER_CUDA(cudaGetLastError());
-}
-
-std::vector<uint8_t> encode(const std::vector<float>& values, Storage storage) {
-  std::vector<uint8_t> out;
-  with_type(storage, [&](auto t) {
-    using T = decltype(t);
-    out.resize(values.size() * sizeof(T));
-    T* p = reinterpret_cast<T*>(out.data());
-    for (size_t i = 0; i < values.size(); ++i) p[i] = from_float<T>(values[i]);
-  });
-  return out;
-}
-
-std::vector<float> decode(const void* data, size_t count, Storage storage) {
-  std::vector<float> out(count);
-  with_type(storage, [&](auto t) {
-    using T = decltype(t);
-    const T* p = static_cast<const T*>(data);
-    for (size_t i = 0; i < count; ++i) out[i] = to_float(p[i]);
-  });
-  return out;
 }
 
 }  // namespace rung

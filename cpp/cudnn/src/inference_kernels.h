@@ -1,10 +1,11 @@
-// Our own CUDA, only where cuDNN has nothing fused for the job.
+// The inference forward's own CUDA, only where cuDNN has nothing fused for the job: the input's layout, and a
+// convolution's epilogue where its engine could not fuse it.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstddef>
 
-#include "common.h"
+#include "precision.h"
 #include "stem.h"
 
 namespace rung {

@@ -1,12 +1,13 @@
-// The CUDA of our own that the training step needs besides cuDNN and cuBLASLt: BatchNorm in training mode (forward
-// and backward, ReLU and the residual add fused into them), the loss, the classifier's bias gradient, a gradient sum,
+// The CUDA of our own that the training step needs besides cuDNN and cuBLASLt (the max-pool is pool_kernels.h):
+// BatchNorm in training mode (forward and backward, ReLU and the residual add fused into them), the loss, the classifier's bias gradient, a gradient sum,
 // and SGD over every parameter in one launch. Activations are NHWC, seen as [rows = N*H*W, C]; every statistic and
 // sum is fp32 (per-thread Welford, combined in fp64), whatever the storage type.
 #pragma once
 #include <cstdint>
 #include <vector>
 
-#include "common.h"
+#include "device_memory.h"
+#include "precision.h"
 
 namespace rung {
 
@@ -40,20 +41,6 @@ constexpr int kBnCoefs = 3;
 void bn_backward(const void* dy, const void* y, const float* affine, const void* x, void* dx, void* dz, Storage st,
                  int64_t rows, int channels, const float* gamma, const float* save_mean, const float* save_invstd,
                  float* dgamma, float* dbeta, float* coef, float* scratch, BnGrid grid, cudaStream_t stream);
-
-// Max-pooling, NHWC (PyTorch's: padding never wins, the first maximum in the window's row-major order does). In
-// training the forward keeps, per output element, its window position (one byte; inference passes where = nullptr);
-// the backward gathers, for each input, the gradients of the outputs whose maximum it was: no atomics, so
-// deterministic. cuDNN's pooling backward, which rereads x and y, took 1.5 ms of an H200's bf16 batch-256 step for
-// this one layer.
-struct PoolShape {
-  int n, c, h, w, window, stride, pad, out_h, out_w;
-};
-// tiled: x is stored in 2x2 pixel tiles (net.h Act::tile, the tiled stem's output); y never is.
-void max_pool_forward(const void* x, void* y, uint8_t* where, Storage st, const PoolShape& s, bool tiled,
-                      cudaStream_t stream);
-void max_pool_backward(const void* dy, const uint8_t* where, void* dx, Storage st, const PoolShape& s,
-                       cudaStream_t stream);
 
 // Softmax cross-entropy against core/train.py's labels ((i * 7919) % classes), mean over the batch: dlogits =
 // (softmax - onehot) / batch in the storage type; the step's loss goes to last_loss and, while *count < capacity,
