@@ -14,7 +14,7 @@ from rich.console import Console
 from core.files import write_text_atomic
 from harness import census_plot, ladder
 from harness.census import comparable, unattributed_share
-from harness.micro import side_by_side_markdown, side_by_side_table
+from harness.micro import side_by_side_markdown, side_by_side_tables
 from harness.plan import LadderConfig
 from harness.refusal import Refusal
 from harness.tables import markdown_table
@@ -58,9 +58,10 @@ def show_and_write(out: dict, json_path: Path, md_path: Path) -> None:
              f"res {out['res']}, {out['dtype']}: time per layer group, per rung")
     display = census_display(out["groups"], rungs)
     console = Console()
-    console.print(side_by_side_table(title, f"each rung: {CELL_FORMAT}; every kernel: --json", display))
+    console.print(*side_by_side_tables(title, f"each rung: {CELL_FORMAT}; every kernel: --json", display,
+                                       console.width))
     for line in out["missing"] + out["partial"]:
-        console.print(line, markup=False, style="yellow", overflow="ellipsis", no_wrap=True)
+        console.print(line, markup=False, style="yellow")
     plot = census_plot.census_groups(out, md_path.parent / "census.png")
     write_text_atomic(json_path, json.dumps(out, indent=1))
     write_text_atomic(md_path, census_markdown(title, out, display, plot))

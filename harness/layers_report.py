@@ -17,7 +17,7 @@ from core.layers import Layer, distinct_layers
 from core.model import build_model, write_weights
 from core.paths import REPO
 from core.placement import torch_dtype
-from harness.micro import side_by_side_markdown, side_by_side_table
+from harness.micro import side_by_side_markdown, side_by_side_tables
 from harness.refusal import Refusal
 from tiers import get_tier
 from tiers.base import PythonTier
@@ -68,8 +68,8 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
     rows = layer_rows(layers, per_rung, peaks, batch, dtype)
     title = f"{model}: each layer alone, batch {batch}, res {res}, {dtype}, {layout_name(channels_last)}"
     display = layer_display(rows, list(per_rung))
-    console.print(side_by_side_table(title, "ms per call (median); floor: the layer's roofline; fastest: its lead over "
-                                     "the next; parity and raw samples: --json", display))
+    console.print(*side_by_side_tables(title, "ms per call (median); floor: the layer's roofline; fastest: its lead "
+                                       "over the next; parity and raw samples: --json", display, console.width))
     for line in missing:
         console.print(line, markup=False, style="yellow", overflow="ellipsis", no_wrap=True)
     doc = {"environment": environment(device), "model": model, "batch": batch, "res": res, "dtype": dtype,

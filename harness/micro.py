@@ -79,14 +79,40 @@ def markdown(title: str, rows: list[dict]) -> str:
                       f"Every column ({', '.join(columns(rows))}): the JSON (--json).", ""])
 
 
-def side_by_side_table(title: str, caption: str, display: list[dict[str, str]]) -> Table:
-    """A side-by-side's terminal table: its first column (group or layer) and `fastest` left, the rungs right."""
-    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
-    for i, c in enumerate(display[0] if display else []):
-        table.add_column(c, justify="left" if i == 0 or c == "fastest" else "right", no_wrap=c != "fastest")
-    for row in display:
-        table.add_row(*row.values())
-    return table
+def side_by_side_tables(title: str, caption: str, display: list[dict[str, str]], width: int) -> list[Table]:
+    """A side-by-side's terminal tables, each no wider than `width`: its fixed columns (the first, group or layer,
+    and a floor) with as many rung columns as fit, whole (a rung's cell cut short would hide its figures), the next
+    table the next rungs; `fastest` closes the last one where it fits, else its own table."""
+    if not display:
+        return [Table(title=title, caption=caption, box=box.SIMPLE_HEAD)]
+    names = list(display[0])
+    fixed = [c for c in names if c in (names[0], "floor")]
+    rungs = [c for c in names if c not in (*fixed, "fastest")]
+
+    def wide(shown: list[str]) -> int:  # as box.SIMPLE_HEAD lays them out: each column padded by one space a side
+        # and followed by a separator, plus the left edge
+        return sum(max(len(c), *(len(row[c]) for row in display)) + 3 for c in shown) + 1
+
+    chunks: list[list[str]] = [[]]
+    for c in rungs:
+        if chunks[-1] and wide([*fixed, *chunks[-1], c]) > width:
+            chunks.append([])
+        chunks[-1].append(c)
+    if "fastest" in names:
+        if wide([*fixed, *chunks[-1], "fastest"]) > width:
+            chunks.append([])
+        chunks[-1].append("fastest")
+    tables = []
+    for i, chunk in enumerate(chunks):
+        shown = [*fixed, *chunk]
+        table = Table(title=title if i == 0 else None, caption=caption if i == len(chunks) - 1 else None,
+                      box=box.SIMPLE_HEAD)
+        for j, c in enumerate(shown):
+            table.add_column(c, justify="left" if j == 0 or c == "fastest" else "right", no_wrap=True)
+        for row in display:
+            table.add_row(*(row[c] for c in shown))
+        tables.append(table)
+    return tables
 
 
 MD_RUNGS = 3  # rung columns per markdown table: 100 columns hold three

@@ -288,3 +288,22 @@ def test_a_floor_is_claimed_only_for_engines_it_bounds():
     assert shown["cudnn"] == "0.8 (winograd)*" and shown["triton"] == "1.35 (88%)"
     [fp8] = [r for r in layer_rows(layers, {}, peaks, 256, "fp8") if r["layer"] == three.path]
     assert fp8["bytes"] == three.bytes(256, 1)
+
+
+@pytest.mark.quick
+def test_a_side_by_side_of_many_rungs_fits_the_terminal_with_every_figure_whole():
+    """Six rungs' census cells (ms/kernels/TFLOP/s) do not fit one 80-column table: the side-by-side goes on in a
+    second table rather than cutting each cell short, and every figure is printed whole."""
+    from rich.console import Console
+
+    from harness.micro import side_by_side_tables
+
+    rungs = ["triton", "triton+graph", "cudnn", "cudnn+graph", "compile(default)", "eager"]
+    display = [{"group": g, **{r: f"{12.7 + i:.3g}/{583 + i}/{125.4 + i:.4g}" for i, r in enumerate(rungs)},
+                "fastest": "compile(default) 1.05x"} for g in ("stem", "layer1", "kern/pipelined")]
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    tables = side_by_side_tables("title", "caption", display, console.width)
+    console.print(*tables)
+    text = console.export_text()
+    assert len(tables) > 1 and "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert all(cell in text for row in display for cell in row.values())
