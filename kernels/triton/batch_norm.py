@@ -192,9 +192,25 @@ def _moments(x: torch.Tensor, tune: bool) -> tuple[torch.Tensor, torch.Tensor]:
     means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
     tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
                   UNTUNED)
-    counts = (p - rows * torch.arange(slices, device=x.device)).clamp(max=rows).float()[:, None]
+    counts = _slice_rows(p, rows, slices, x.device)
     mean = (counts * means).sum(0) / p
     return mean, (m2.sum(0) + (counts * (means - mean) ** 2).sum(0)) / p
+
+
+_SLICE_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _slice_rows(p: int, rows: int, slices: int, device: torch.device) -> torch.Tensor:
+    """The rows each slice of a reduction over `p` rows holds (the last may hold fewer), [slices, 1] fp32: the same
+    every step, so made once per shape rather than in five small launches per batch norm per step. Never kept from
+    inside a CUDA graph's capture, where it would be filled only when the graph replays."""
+    key = (p, rows, slices, device)
+    counts = _SLICE_ROWS.get(key)
+    if counts is None:
+        counts = (p - rows * torch.arange(slices, device=device)).clamp(max=rows).float()[:, None]
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _SLICE_ROWS[key] = counts
+    return counts
 
 
 @functools.lru_cache(maxsize=None)
