@@ -70,6 +70,20 @@ def eager_cell_run(tmp_path_factory) -> Path:
     return out
 
 
+def other_load() -> float:
+    """CPUs that processes outside this test's own tree keep busy, over half a second (harness.contention's
+    measure); 0 where that is too little to flag."""
+    import time
+
+    from harness.contention import Contention
+
+    probe = Contention()
+    probe.begin()
+    time.sleep(0.5)
+    probe.end()
+    return probe.result["other_cpus_busy"] if probe.result["flagged"] else 0.0
+
+
 def copy_run(run: Path, to: Path) -> Path:
     """A copy of a finished run directory, without its lock (nothing in a run names its own path)."""
     shutil.copytree(run, to, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".lock"))
