@@ -54,10 +54,11 @@ def _when(flag: str, show: Callable[[dict, View], str]) -> Callable[[dict, View]
     return lambda r, v: show(r, v) if getattr(v, flag) else ""
 
 
-def _number(path: str, spec: str, flag: str | None = None, scale: float = 1.0) -> Callable[[dict, View], str]:
+def _number(path: str, spec: str, flag: str | None = None) -> Callable[[dict, View], str]:
+    get = at(path)
+
     def show(r: dict, v: View) -> str:
-        x = at(path)(r, v)
-        return fmt(None if x is None else x * scale, spec)
+        return fmt(get(r, v), spec)
     return _when(flag, show) if flag else show
 
 
@@ -86,8 +87,10 @@ def _sm_clock(r: dict, v: View) -> str:
 
 
 def _mib(path: str) -> Callable[[dict, View], str]:
+    get = at(path)
+
     def show(r: dict, v: View) -> str:
-        x = at(path)(r, v)
+        x = get(r, v)
         return fmt(x / 2**20, ".0f") if x else ""
     return show
 
@@ -214,8 +217,8 @@ def csv_rows(records: list[dict]) -> list[list]:
 
 def how_to_read(gpu: bool) -> str:
     """The markdown's key to its columns, for the device its cells ran on."""
-    meanings = [TIMING_GPU if c.meaning == TIMING_GPU and gpu else TIMING_CPU if c.meaning == TIMING_GPU
-                else c.meaning for c in TABLE if c.meaning and (gpu or not c.gpu_only)]
+    meanings = [TIMING_CPU if c.meaning == TIMING_GPU and not gpu else c.meaning
+                for c in TABLE if c.meaning and (gpu or not c.gpu_only)]
     if not gpu:
         left_out = [c.header for c in TABLE if c.gpu_only and c.meaning]
         meanings.append(f"{', '.join(left_out[:-1])} and {left_out[-1]} are GPU figures, left out on the CPU")

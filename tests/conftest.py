@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,6 @@ def eager_cell_run(tmp_path_factory) -> Path:
 def other_load() -> float:
     """CPUs that processes outside this test's own tree keep busy, over half a second (harness.contention's
     measure); 0 where that is too little to flag."""
-    import time
-
     from harness.contention import Contention
 
     probe = Contention()

@@ -13,7 +13,6 @@ import copy
 import os
 import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -73,22 +72,16 @@ def untuned(stage: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
 
 
 
-def _tuning_tables(store: Store, tune: bool) -> tuple[Path | None, list[str]]:
-    """The run's own tuning file, and the tables read into the launches' lookup (kernels/triton/tuning.py): the
-    ones shipped for this GPU model (none under --retune), then the run's, when tuning is on."""
+@contextlib.contextmanager
+def _tuned(store: Store, tune: bool, example: torch.Tensor, warm: str) -> Iterator[dict]:
+    """Around a build's warm `warm` (a forward, or a training step): with tuning on, the tuning tables read first
+    into the launches' lookup (kernels/triton/tuning.py: the ones shipped for this GPU model, none under --retune,
+    then the run's own); yields the build stats it fills on leaving, what tuning and compiling cost there; saves
+    what was autotuned to the run's tuning file."""
     from kernels.triton import tuning  # as in build
 
     tuned_file = store.cache / "tuned.json" if store.cache else None
-    return tuned_file, (tuning.load_tables(store.tunings, tuned_file) if tune else [])
-
-
-@contextlib.contextmanager
-def _tuning_stats(tune: bool, tuned_file: Path | None, tables: list[str], example: torch.Tensor,
-                  warm: str) -> Iterator[dict]:
-    """Around a build's warm `warm` (a forward, or a training step): yields the build stats it fills on leaving,
-    what tuning and compiling cost there, and saves what was autotuned to the run's tuning file."""
-    from kernels.triton import tuning  # as in build
-
+    tables = tuning.load_tables(store.tunings, tuned_file) if tune else []
     before, start, stats = dict(tuning.STATS), time.perf_counter(), {}
     yield stats
     if example.is_cuda:
@@ -107,6 +100,7 @@ def _tuning_stats(tune: bool, tuned_file: Path | None, tables: list[str], exampl
         f"warm_{warm}_s": round(time.perf_counter() - start, 3),  # JIT compilation + autotuning
         f"launches_per_{warm}": tuning.STATS["launches"] - before["launches"],  # in the warm pass
     })
+
 
 class TritonTier(PythonTier):
     name = "triton"
@@ -181,14 +175,13 @@ class TritonTier(PythonTier):
         from kernels.triton.resnet import TritonResNet
 
         tune = self.setting(cell, "autotune") == "on"
-        tuned_file, tables = _tuning_tables(store, tune)
         fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
         # Programmatic dependent launch exists from Hopper (compute capability 9.0) on; before it, pdl=on runs off.
         pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,
                            planned=self.setting(cell, "launch") == "plan", pdl=pdl, pairs=self.setting(cell, "pairs"),
                            chains=self.setting(cell, "chain"))
-        with torch.no_grad(), _tuning_stats(tune, tuned_file, tables, example, "forward") as stats:
+        with torch.no_grad(), _tuned(store, tune, example, "forward") as stats:
             net(example)  # compiles every kernel variant; configurations from the tables, else autotuned
         stats.update({
             "launch": "plan" if net.planned else "jit",  # Triton's launch path, or a recorded forward replayed
@@ -208,7 +201,6 @@ class TritonTier(PythonTier):
         net = train.place_for_training(model, cell)
         rate = torch.tensor([train.LEARNING_RATE if lr is None else float(lr)], device=cell.device)
         tune = self.setting(cell, "autotune") == "on"
-        tuned_file, tables = _tuning_tables(store, tune)
         step = TritonTrainStep(net, torch_dtype(cell.dtype), rate, train.MOMENTUM, train.WEIGHT_DECAY, tune=tune)
         targets = train.labels(cell.batch + 1, num_classes(net), cell.device)
         labels = targets[: example.shape[0]]
@@ -219,11 +211,13 @@ class TritonTier(PythonTier):
 
         # On the GPU every kernel is compiled and tuned here, in warm steps whose updates are undone (the
         # interpreter compiles and tunes nothing: its first step is its own).
-        with _tuning_stats(tune, tuned_file, tables, example, "step") as stats:
+        with _tuned(store, tune, example, "step") as stats:
             if cell.cuda_graph:  # the whole step one graph, over the example's buffer (which the worker passes)
                 graph, loss = step.capture(example, labels)
             elif example.is_cuda:
                 step.warm(example, labels)
+        if step.steps:  # what the forward saves is known from the first step on
+            stats["memory"] = step.memory()
         if cell.cuda_graph:
             def replay(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
                 set_rate()
@@ -235,20 +229,17 @@ class TritonTier(PythonTier):
                 return loss
 
             return Built(forward=replay, state=lambda: train.state_of(net), captured=True,
-                         stats={**stats, "cuda_graph": True, "memory": step.memory()})
+                         stats={**stats, "cuda_graph": True})
 
         def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
             set_rate()
             loss = step(x, targets[: x.shape[0]] if y is None else y)
-            if "memory" not in built.stats:  # what the forward saves is known from the first step on
-                built.stats["memory"] = step.memory()
+            if "memory" not in stats:  # the interpreter's: no warm step at build
+                stats["memory"] = step.memory()
             return loss
 
-        built = Built(forward=forward, state=lambda: train.state_of(net), stats=stats,
-                      layer_scopes=lambda: step.layer_scopes(SCOPE))
-        if step.steps:
-            stats["memory"] = step.memory()
-        return built
+        return Built(forward=forward, state=lambda: train.state_of(net), stats=stats,
+                     layer_scopes=lambda: step.layer_scopes(SCOPE))
 
     def micro(self, batch: int, res: int, dtype: str, channels_last: bool, task: str = "infer",
               baselines: bool = True) -> list[dict]:

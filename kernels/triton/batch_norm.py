@@ -197,24 +197,30 @@ def _moments(x: torch.Tensor, tune: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, (m2.sum(0) + (counts * (means - mean) ** 2).sum(0)) / p
 
 
-_SLICE_ROWS: dict[tuple, torch.Tensor] = {}
+def _per_shape(make):
+    """`make`'s result kept per arguments (the last a device): the constants a step would otherwise rebuild in small
+    launches every call. Never kept from inside a CUDA graph's capture, where it would be filled only when the
+    graph replays."""
+    kept: dict[tuple, object] = {}
+
+    @functools.wraps(make)
+    def get(*args):
+        made = kept.get(args)
+        if made is None:
+            made = make(*args)
+            if not (args[-1].type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                kept[args] = made
+        return made
+    return get
 
 
+@_per_shape
 def _slice_rows(p: int, rows: int, slices: int, device: torch.device) -> torch.Tensor:
-    """The rows each slice of a reduction over `p` rows holds (the last may hold fewer), [slices, 1] fp32: the same
-    every step, so made once per shape rather than in five small launches per batch norm per step. Never kept from
-    inside a CUDA graph's capture, where it would be filled only when the graph replays."""
-    key = (p, rows, slices, device)
-    counts = _SLICE_ROWS.get(key)
-    if counts is None:
-        counts = (p - rows * torch.arange(slices, device=device)).clamp(max=rows).float()[:, None]
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _SLICE_ROWS[key] = counts
-    return counts
+    """The rows each slice of a reduction over `p` rows holds (the last may hold fewer), [slices, 1] fp32."""
+    return (p - rows * torch.arange(slices, device=device)).clamp(max=rows).float()[:, None]
 
 
-@functools.lru_cache(maxsize=None)
+@_per_shape
 def _identity(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The affine map's per-channel identity (ones, zeros; fp32), made once per width and device rather than in
-    every step's backward."""
+    """The affine map's per-channel identity (ones, zeros; fp32)."""
     return (torch.ones(c, device=device, dtype=torch.float32), torch.zeros(c, device=device, dtype=torch.float32))

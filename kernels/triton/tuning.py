@@ -55,6 +55,9 @@ def save_tuned(path: Path, about: dict) -> None:
     tmp.replace(path)
 
 
+_KEYS: dict[tuple, str] = {}  # (kernel, its key arguments, its tensors' dtypes) -> table_key's string
+
+
 def table_key(kernel, args) -> str:
     """What the autotuner keys on: the kernel, its `key` arguments' values and the dtypes of its tensor arguments.
     Built once per distinct key: every launch asks, and formatting the string cost about 9 us a launch (a training
@@ -66,9 +69,6 @@ def table_key(kernel, args) -> str:
         dtypes = [str(a.dtype).removeprefix("torch.") for a in args if hasattr(a, "dtype")]
         key = _KEYS[fast] = f"{kernel.fn.__name__}|{','.join(str(bound[k]) for k in kernel.keys)}|{','.join(dtypes)}"
     return key
-
-
-_KEYS: dict[tuple, str] = {}  # (kernel, its key arguments, its tensors' dtypes) -> table_key's string
 
 
 @functools.cache
