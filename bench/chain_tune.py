@@ -34,9 +34,9 @@ from core.files import write_text_atomic  # noqa: E402
 from core.stats import median  # noqa: E402
 from core.model import build_model  # noqa: E402
 from core.placement import place_model, torch_dtype  # noqa: E402
-from harness import census  # noqa: E402
-from harness.compare import ratio_ci, verdict  # noqa: E402
-from harness.context import shipped_tunings  # noqa: E402
+from harness.run import census  # noqa: E402
+from harness.results.compare import ratio_ci, verdict  # noqa: E402
+from harness.run.context import shipped_tunings  # noqa: E402
 from kernels.triton import tuning  # noqa: E402
 from kernels.triton import conv, pair  # noqa: E402
 from tiers.triton import TIER, triton_version  # noqa: E402
@@ -173,7 +173,7 @@ def changes(chosen: dict[str, dict], scores: dict[str, dict[str, list[float]]],
 
 
 def faster_beyond_noise(table_us: list[float], chosen_us: list[float], threshold: float) -> tuple[bool, str]:
-    """Whether the chosen whole beats the table by the ladder's own rule for a change (harness/compare.py: more
+    """Whether the chosen whole beats the table by the ladder's own rule for a change (harness/results/compare.py: more
     than `threshold`, its bootstrap interval excluding none), and the comparison in words. On the H100 a tf32
     chain came out 0.3% faster by its medians with its rounds overlapping: no reason to ship new configurations."""
     ratio, low, high = ratio_ci([table_us], [chosen_us])

@@ -1,10 +1,10 @@
 """How far a cell's median moves between runs of the same code on one machine: the figures behind compare's noise
-floors (harness/compare.py NOISE_FLOOR, docs/notes/compare-noise-floor.md). Give two or more ladder.json files of
+floors (harness/results/compare.py NOISE_FLOOR, docs/notes/compare-noise-floor.md). Give two or more ladder.json files of
 the same code and protocol; every pair of them is compared cell by cell:
 
     python3 bench/noise_floor.py runs/a/ladder.json runs/b/ladder.json runs/c/ladder.json
 
-It prints, per class (gpu, host, cpu: harness/compare.py noise_class) and for GPU cells per band of host share,
+It prints, per class (gpu, host, cpu: harness/results/compare.py noise_class) and for GPU cells per band of host share,
 the number of cell pairs and the median, 95th percentile and largest move, max(B/A, A/B) - 1, then the largest
 moves themselves. A floor below the largest move calls noise a change on these runs. Cells flagged as measured
 beside another busy process are left out, as compare leaves them out."""
@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.cell import Cell  # noqa: E402
-from harness.compare import NOISE_FLOOR, host_share, noise_class  # noqa: E402
-from harness.record import ranked  # noqa: E402
-from harness.load import load_records  # noqa: E402
+from harness.results.compare import NOISE_FLOOR, host_share, noise_class  # noqa: E402
+from harness.results.load import load_records  # noqa: E402
+from harness.run.record import ranked  # noqa: E402
 from tiers import identity  # noqa: E402
 
 BANDS = ((0.0, 0.5), (0.5, 0.8), (0.8, float("inf")))  # host share of a GPU cell's latency

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.chain_tune import Chain, owned_us, pipelined_us  # noqa: E402
 from core.files import write_text_atomic  # noqa: E402
 from core.stats import median  # noqa: E402
-from harness.compare import ratio_ci, verdict  # noqa: E402
+from harness.results.compare import ratio_ci, verdict  # noqa: E402
 from kernels.triton import tuning  # noqa: E402
 from tiers.triton import TIER  # noqa: E402
 

@@ -29,7 +29,7 @@ from core.model import build_model  # noqa: E402  (the same seeded network; the 
 from core.cell import Cell, Store  # noqa: E402
 from core.placement import set_math_mode, torch_dtype  # noqa: E402
 from core.stats import median  # noqa: E402
-from harness.timing import Clock, latency_pass, prepare_input, timed_forward  # noqa: E402
+from harness.child.timing import Clock, latency_pass, prepare_input, timed_forward  # noqa: E402
 from tiers import get_tier  # noqa: E402
 
 AGREE = 0.05

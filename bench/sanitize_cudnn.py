@@ -1,6 +1,6 @@
 """compute-sanitizer memcheck over the `cudnn` rung's whole child contract (load, build, engine timing, CUDA-graph
 capture, every timed pass), on a small cell with a minimal protocol: memcheck slows each kernel by orders of
-magnitude. The child's command line is the runner's own (harness.contract.contract_argv). Exits 1 on any error.
+magnitude. The child's command line is the runner's own (harness.child.contract.contract_argv). Exits 1 on any error.
 
     python3 bench/sanitize_cudnn.py [--batch 2 --res 64 --dtype bf16 --task infer|train]
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from core.model import build_model, make_input, write_input, write_weights  # noqa: E402
-from harness.contract import Protocol, contract_argv  # noqa: E402
+from harness.child.contract import Protocol, contract_argv  # noqa: E402
 from core.cell import Cell  # noqa: E402
 from tiers.cudnn import TIER  # noqa: E402
 

@@ -110,7 +110,7 @@ class Built:
     # what runs (hooks make torch.compile recompile).
     layer_scopes: Callable[[], Any] | None = None
     # Where the rung has a profiler of its own (ONNX Runtime's): makes a profiling twin of forward and returns
-    # (forward, finish); finish() ends that profile and returns its ranges as Chrome trace events (harness/census.py
+    # (forward, finish); finish() ends that profile and returns its ranges as Chrome trace events (harness/run/census.py
     # LAYER, BASIS in their args), their ts in µs since the epoch.
     profiled: Callable[[], tuple[Callable[[Any], Any], Callable[[], list[dict]]]] | None = None
     # Training only: the model's parameters and buffers by name (fp32, on the CPU), read after the parity steps.

@@ -151,7 +151,7 @@ def source_revision() -> dict[str, Any]:
 
 
 def environment(device: str, host_cpu: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What measured: code, host, software, GPU; `host_cpu`: the host's steadiness (harness.host_noise), if probed."""
+    """What measured: code, host, software, GPU; `host_cpu`: the host's steadiness (harness.run.host_noise), if probed."""
     env: dict[str, Any] = {
         "started_utc": utc_now(),
         "source": source_revision(),

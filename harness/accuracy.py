@@ -42,13 +42,13 @@ from core.model import write_weights, zero_init_residual
 from core.paths import REPO
 from core.placement import set_math_mode
 from core.train import learning_rate
-from harness.context import shipped_tunings
-from harness.contract import ERROR, TRAIN_RESULT_KEYS, WORKER, Protocol, contract_argv
-from harness.failures import failure_status
-from harness.plan import command_line
-from harness.plots import accuracy_curves
-from harness.refusal import Refusal
-from harness.tables import markdown_table
+from harness.child.contract import ERROR, TRAIN_RESULT_KEYS, WORKER, Protocol, contract_argv
+from harness.results.plots import accuracy_curves
+from harness.results.tables import markdown_table
+from harness.run.context import shipped_tunings
+from harness.run.failures import failure_status
+from harness.run.plan import command_line
+from harness.run.refusal import Refusal
 from tiers import all_tiers
 from tiers.base import ExternalTier, Tier
 

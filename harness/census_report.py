@@ -1,5 +1,5 @@
 """`python -m harness micro --tiers A,B,...`: each rung's cell measured as the ladder measures it, then its kernel
-census (harness/census.py), side by side: a row per layer group and a column per rung, a plot, and every kernel in
+census (harness/run/census.py), side by side: a row per layer group and a column per rung, a plot, and every kernel in
 the JSON."""
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from typing import Any
 from rich.console import Console
 
 from core.files import write_text_atomic
-from harness import census_plot, ladder
-from harness.census import comparable, unattributed_share
-from harness.micro import side_by_side_markdown, side_by_side_tables
-from harness.plan import LadderConfig
-from harness.refusal import Refusal
-from harness.tables import markdown_table
+from harness import ladder
+from harness.results import census_plot
+from harness.results.micro_tables import side_by_side_markdown, side_by_side_tables
+from harness.results.tables import markdown_table
+from harness.run.census import comparable, unattributed_share
+from harness.run.plan import LadderConfig
+from harness.run.refusal import Refusal
 
 CENSUS_STEPS = 5  # calls profiled per cell: each kernel's median over them
 

@@ -14,12 +14,13 @@ from core.cell import DTYPES, FRAMEWORK_DTYPES, TASKS
 from core.env import default_device
 from core.model import CLASSIFIERS
 from core.mutations import FORWARD, TRAINING
-from harness import accuracy, census_report, compare, ladder, layers_report, listing, micro, mutations, report
-from harness.contract import Protocol
-from harness.executor import EXECUTORS
-from harness.load import BadInput
-from harness.plan import LadderConfig
-from harness.refusal import Refusal
+from harness import accuracy, census_report, ladder, layers_report, listing, micro, mutations
+from harness.child.contract import Protocol
+from harness.results import compare, report
+from harness.results.load import BadInput
+from harness.run.executor import EXECUTORS
+from harness.run.plan import LadderConfig
+from harness.run.refusal import Refusal
 from tiers import all_tiers
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -167,7 +168,7 @@ def ladder_arguments(tier_names: list[str]) -> argparse.ArgumentParser:
     lad.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
                      help="parallel jobs of the prepare stage (builds, exports, warm caches)")
     lad.add_argument("--host-probe", action="store_true",
-                     help="time the host CPU's steadiness for 2 s at the start (harness.host_noise)")
+                     help="time the host CPU's steadiness for 2 s at the start (harness.run.host_noise)")
     lad.add_argument("--out", type=Path, default=None, help="run directory (default runs/<model>-<device>); reruns "
                      "into the same directory skip cells already recorded")
     lad.add_argument("--rerun", action="store_true", help="measure again cells already recorded in --out")

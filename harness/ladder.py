@@ -18,18 +18,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from core.cell import Cell
 from core.env import default_device, device_slug, environment, visible_gpus, where
 from core.files import write_text_atomic
-from harness import derive, report
-from harness.context import Context
-from harness.contract import UTIL_S
-from harness.host_noise import host_cpu_probe
-from harness.executor import run_units
-from harness.measure import ordered
-from harness.plan import LadderConfig, check_output_paths, command_line, fitting, plan, run_identity
-from harness.prepare import prepare
-from harness.record import contended_line, document
-from harness.refusal import Refusal
-from harness.rundir import RecordNotSaved, RunDir, RunLocked
-from harness.status import Status
+from harness.child.contract import UTIL_S
+from harness.results import derive, report
+from harness.run.context import Context
+from harness.run.executor import run_units
+from harness.run.host_noise import host_cpu_probe
+from harness.run.measure import ordered
+from harness.run.plan import LadderConfig, check_output_paths, command_line, fitting, plan, run_identity
+from harness.run.prepare import prepare
+from harness.run.record import contended_line, document
+from harness.run.refusal import Refusal
+from harness.run.rundir import RecordNotSaved, RunDir, RunLocked
+from harness.run.status import Status
 from tiers import identity
 
 # Free disk a run directory needs before its first cell: the weights (98 MB for ResNet-50, twice for training), inputs,

@@ -17,15 +17,15 @@ from core.layers import Layer, distinct_layers
 from core.model import build_model, write_weights
 from core.paths import REPO
 from core.placement import torch_dtype
-from harness.micro import side_by_side_markdown, side_by_side_tables
-from harness.refusal import Refusal
+from harness.results.micro_tables import side_by_side_markdown, side_by_side_tables
+from harness.run.refusal import Refusal
 from tiers import get_tier
 from tiers.base import PythonTier
 
 def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels_last: bool, device: str,
                out: Path, reps: int, json_path: Path | None, md_path: Path | None) -> int:
     """Each distinct layer (core.layers.distinct_layers) on each rung: a Python rung builds it as it builds the
-    network, in a process of its own per rung (harness/layerbench.py), parity against eager fp32; a hand-written
+    network, in a process of its own per rung (harness/child/layerbench.py), parity against eager fp32; a hand-written
     rung gives its own per-layer microbenchmark. Against each layer's roofline: its FLOPs at the measured matmul
     rate, its bytes (input, weights, output, residual once) at the measured copy bandwidth."""
     out.mkdir(parents=True, exist_ok=True)
@@ -56,9 +56,9 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
             missing.append(f"{name}: a program of the whole network; it builds no sub-network")
         else:
             rows_file = out / f"layers-{name}.json"
-            argv = [sys.executable, "-m", "harness.layerbench", "--tier", name, "--model", model, "--batch", str(batch),
-                    "--res", str(res), "--dtype", dtype, "--layout", layout_name(channels_last), "--device", device,
-                    "--weights", str(weights), "--out", str(rows_file), "--reps", str(reps)]
+            argv = [sys.executable, "-m", "harness.child.layerbench", "--tier", name, "--model", model,
+                    "--batch", str(batch), "--res", str(res), "--dtype", dtype, "--layout", layout_name(channels_last),
+                    "--device", device, "--weights", str(weights), "--out", str(rows_file), "--reps", str(reps)]
             with console.status(f"{name}: {len(layers)} layers, each built and timed alone"):
                 proc = procs.run(argv, cwd=REPO, env=procs.child_env(), capture_output=True, text=True)
             if proc.returncode != 0:
@@ -93,10 +93,10 @@ def run(tiers: list[str], model: str, batch: int, res: int, dtype: str, channels
 
 
 def measure_peaks(out: Path) -> dict:
-    """The GPU's matmul rate per dtype and its copy bandwidth, in a process of its own (harness/reference.py)."""
+    """The GPU's matmul rate per dtype and its copy bandwidth, in a process of its own (harness/child/reference.py)."""
     path = out / "peak.json"
-    proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(path)], cwd=REPO, env=procs.child_env(),
-                     capture_output=True, text=True)
+    proc = procs.run([sys.executable, "-m", "harness.child.reference", "peak", str(path)], cwd=REPO,
+                     env=procs.child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise Refusal(f"measuring the GPU's peaks failed: {' '.join(proc.stderr.split())[-300:]}", status=1)
     return json.loads(path.read_text())

@@ -2,20 +2,18 @@
 - `--tier NAME` (here): a hand-written rung's per-layer microbenchmark against cuDNN and Inductor, layer by layer;
 - `--tiers A,B,...`: each rung's kernel census side by side (harness/census_report.py);
 - `--layers --tiers A,B,...`: each layer alone on each rung (harness/layers_report.py).
-The side-by-side tables both share are rendered here."""
+Its tables, and the side-by-sides the other two share: harness/results/micro_tables.py."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from core.env import default_device, environment
 from core.files import write_text_atomic
-from harness.refusal import Refusal
-from harness.tables import columns, markdown_table
+from harness.results.micro_tables import markdown, micro_table
+from harness.run.refusal import Refusal
 from tiers import get_tier
 
 
@@ -42,93 +40,3 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, t
                                                  "batch": batch, "res": res, "dtype": dtype, "rows": rows}, indent=1))
     if md_path:
         write_text_atomic(md_path, markdown(title, rows))
-
-
-def shown_columns(rows: list[dict]) -> list[str]:
-    """What the terminal and the markdown show, which reads at 100 columns: each layer's name (and pass), its engine
-    and its timings. The JSON keeps every column."""
-    cols = columns(rows)
-    return cols[:1] + [c for c in cols if c in ("pass", "engine", "fused") or c.endswith(("_ms", "tflops"))]
-
-
-def micro_table(title: str, rows: list[dict]) -> Table:
-    """The terminal's table: names whole, numbers right-aligned, no rules between columns, so that a training step's
-    rows (names up to 21 characters, 8 columns) read at 100 columns. `tuned_ms` stays in the markdown and the JSON:
-    it repeats the chosen variant's `fused_ms` or `unfused_ms`."""
-    shown = [c for c in shown_columns(rows) if c != "tuned_ms"]
-    table = Table(title=title, caption="every column: --json", box=box.SIMPLE_HEAD)
-    for i, c in enumerate(shown):
-        table.add_column(c, no_wrap=i == 0, justify="right" if c.endswith(("_ms", "tflops")) or c == "engine" else
-                         "left")
-
-    def cell(v: object, c: str) -> str:
-        if v is None:
-            return ""
-        if isinstance(v, float):
-            return f"{v:.1f}" if c == "tflops" else f"{v:.3f}"
-        return str(v)
-
-    for r in rows:
-        table.add_row(*[cell(r.get(c), c) for c in shown])
-    return table
-
-
-def markdown(title: str, rows: list[dict]) -> str:
-    shown = shown_columns(rows)
-    return "\n".join([f"# {title}", "", *markdown_table([{c: r.get(c, "") for c in shown} for r in rows]), "",
-                      f"Every column ({', '.join(columns(rows))}): the JSON (--json).", ""])
-
-
-def side_by_side_tables(title: str, caption: str, display: list[dict[str, str]], width: int) -> list[Table]:
-    """A side-by-side's terminal tables, each no wider than `width`: its fixed columns (the first, group or layer,
-    and a floor) with as many rung columns as fit, whole (a rung's cell cut short would hide its figures), the next
-    table the next rungs; `fastest` closes the last one where it fits, else its own table."""
-    if not display:
-        return [Table(title=title, caption=caption, box=box.SIMPLE_HEAD)]
-    names = list(display[0])
-    fixed = [c for c in names if c in (names[0], "floor")]
-    rungs = [c for c in names if c not in (*fixed, "fastest")]
-
-    def wide(shown: list[str]) -> int:  # as box.SIMPLE_HEAD lays them out: each column padded by one space a side
-        # and followed by a separator, plus the left edge
-        return sum(max(len(c), *(len(row[c]) for row in display)) + 3 for c in shown) + 1
-
-    chunks: list[list[str]] = [[]]
-    for c in rungs:
-        if chunks[-1] and wide([*fixed, *chunks[-1], c]) > width:
-            chunks.append([])
-        chunks[-1].append(c)
-    if "fastest" in names:
-        if wide([*fixed, *chunks[-1], "fastest"]) > width:
-            chunks.append([])
-        chunks[-1].append("fastest")
-    tables = []
-    for i, chunk in enumerate(chunks):
-        shown = [*fixed, *chunk]
-        table = Table(title=title if i == 0 else None, caption=caption if i == len(chunks) - 1 else None,
-                      box=box.SIMPLE_HEAD)
-        for j, c in enumerate(shown):
-            table.add_column(c, justify="left" if j == 0 or c == "fastest" else "right", no_wrap=True)
-        for row in display:
-            table.add_row(*(row[c] for c in shown))
-        tables.append(table)
-    return tables
-
-
-MD_RUNGS = 3  # rung columns per markdown table: 100 columns hold three
-
-
-def side_by_side_markdown(display: list[dict[str, str]], key: str = "group") -> list[str]:
-    """A side-by-side as markdown tables of MD_RUNGS rung columns each (after the `key` column and, in the
-    first, the others that are not rungs), then the fastest rung per row."""
-    if not display:
-        return []
-    fixed = [c for c in display[0] if c in (key, "floor")]
-    rungs = [c for c in display[0] if c not in (*fixed, "fastest")]
-    lines: list[str] = []
-    for i in range(0, len(rungs), MD_RUNGS):
-        lines += [*markdown_table([{c: row[c] for c in (fixed if i == 0 else [key])}
-                                   | {c: row[c] for c in rungs[i:i + MD_RUNGS]} for row in display]), ""]
-    fastest = [{key: row[key], "fastest (lead over the next)": row["fastest"]} for row in display
-               if row["fastest"]]
-    return lines + ([*markdown_table(fastest), ""] if fastest else [])

@@ -27,9 +27,9 @@ from core.mutations import FORWARD, RIGHT, TRAINING, Mutant, check_names, mutant
 from core.parity import run_stages, stage_errors, verdict
 from core.placement import memory_format, set_math_mode, torch_dtype
 from core.recipes import folded_recipe, recipe_output
-from harness.context import shipped_tunings
-from harness.record import recipe_references
-from harness.tables import markdown_table
+from harness.results.tables import markdown_table
+from harness.run.context import shipped_tunings
+from harness.run.record import recipe_references
 from tiers import get_tier
 
 RUNGS = ("eager", "triton")
@@ -69,7 +69,7 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                         channels_last=True, device=config.device)
             if not runs(tier, cell):
                 continue
-            # the references the ladder's prepare stage makes for this cell (harness/record.py)
+            # the references the ladder's prepare stage makes for this cell (harness/run/record.py)
             refs, stage_refs = {}, None
             for k, (name, at, layout) in recipe_references(cell).items():
                 if name == "eager":

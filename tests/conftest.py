@@ -72,9 +72,9 @@ def eager_cell_run(tmp_path_factory) -> Path:
 
 
 def other_load() -> float:
-    """CPUs that processes outside this test's own tree keep busy, over half a second (harness.contention's
+    """CPUs that processes outside this test's own tree keep busy, over half a second (harness.run.contention's
     measure); 0 where that is too little to flag."""
-    from harness.contention import Contention
+    from harness.run.contention import Contention
 
     probe = Contention()
     probe.begin()

@@ -1,4 +1,4 @@
-"""The kernel census (harness/census.py) and `micro --tiers`: real rungs profiled on the CPU (torch.profiler and
+"""The kernel census (harness/run/census.py) and `micro --tiers`: real rungs profiled on the CPU (torch.profiler and
 ONNX Runtime's own profiler in Python, libtorch's profiler in a real C++ build), and the parser's GPU path on a
 trace in Kineto's CUDA format."""
 import json
@@ -9,8 +9,8 @@ import pytest
 
 from core.flops import flops_per_group
 from core.layers import convolutions, distinct_layers, group_of
-from harness import census
 from harness.layers_report import layer_display, layer_rows
+from harness.run import census
 from tests.conftest import FAST, REPO
 from tests.test_reports import ENV80
 
@@ -105,13 +105,13 @@ def test_training_step_census_names_backward_and_optimizer(tmp_path):
     optimizer's and the loss's apart."""
     from core.cell import Cell
     from core.model import build_model, make_input, write_input, write_weights
-    from harness.contract import Protocol, contract_argv
+    from harness.child.contract import Protocol, contract_argv
 
     write_weights(build_model("resnet18"), tmp_path / "w.safetensors")
     write_input(make_input(2, 32), tmp_path / "x.safetensors")
     tiny = Protocol(warmup_min=1, warmup_max=1, warmup_s=0, iters=1, min_time_s=0, max_iters=1, pipelined_iters=1,
                     pipelined_s=0, e2e_iters=1, util_s=0, census_steps=1)
-    argv = contract_argv([sys.executable, "-m", "harness.worker"], Cell(
+    argv = contract_argv([sys.executable, "-m", "harness.child.worker"], Cell(
         tier="eager", model="resnet18", batch=2, res=32, device="cpu", task="train"), {
         "weights": tmp_path / "w.safetensors", "input": tmp_path / "x.safetensors",
         "output": tmp_path / "out.safetensors", "result": tmp_path / "result.json",
@@ -296,7 +296,7 @@ def test_a_side_by_side_of_many_rungs_fits_the_terminal_with_every_figure_whole(
     second table rather than cutting each cell short, and every figure is printed whole."""
     from rich.console import Console
 
-    from harness.micro import side_by_side_tables
+    from harness.results.micro_tables import side_by_side_tables
 
     rungs = ["triton", "triton+graph", "cudnn", "cudnn+graph", "compile(default)", "eager"]
     display = [{"group": g, **{r: f"{12.7 + i:.3g}/{583 + i}/{125.4 + i:.4g}" for i, r in enumerate(rungs)},

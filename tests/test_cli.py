@@ -141,7 +141,7 @@ def test_the_default_gpu_ladder_runs_each_rung_in_the_16_bit_type_it_is_deployed
     """ONNX Runtime and TensorRT deploy in fp16 (no bf16 kernels or graph): their 16-bit cells are fp16, eager gets
     fp16 cells as their baseline, every other rung stays bf16; a --dtype given is taken as it is, and a training
     ladder adds no eager fp16 (no rung that trains deploys fp16)."""
-    from harness.plan import LadderConfig, plan
+    from harness.run.plan import LadderConfig, plan
 
     def dtypes(config: LadderConfig) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {}
@@ -162,7 +162,7 @@ def test_fp8_is_the_triton_rungs_own_and_its_baseline_is_eager_bf16():
     """--dtype fp8: the triton rung runs it; every other rung says it does not implement fp8, and the CPU that it
     is a GPU configuration; an fp8 cell's speed-up is over eager in bf16, the type of its activations."""
     from core.cell import Cell
-    from harness.derive import eager_baseline
+    from harness.results.derive import eager_baseline
     from tiers import all_tiers
 
     gpu = {name: tier.supports(Cell(tier=name, dtype="fp8", device="cuda")) for name, tier in all_tiers().items()}
@@ -193,8 +193,8 @@ def test_ctrl_c_while_starting_is_one_line():
 @pytest.mark.quick
 def test_a_resolution_too_large_for_even_one_image_says_so(capsys):
     from core.cell import Cell
-    from harness.plan import fitting
-    from harness.refusal import Refusal
+    from harness.run.plan import fitting
+    from harness.run.refusal import Refusal
 
     with pytest.raises(Refusal, match=r"more than 80% of the .* GiB of .* here; even batch 1 needs .* GiB: choose "
                                       r"a smaller --res"):
@@ -204,7 +204,7 @@ def test_a_resolution_too_large_for_even_one_image_says_so(capsys):
 @pytest.mark.quick
 def test_a_resolution_under_32_is_planned_with_a_note(capsys):
     from harness import cli
-    from harness.plan import plan
+    from harness.run.plan import plan
 
     args = cli.parser().parse_args(["ladder", "--tiers", "eager", "--res", "7,64"])
     args.argv = []
@@ -217,7 +217,7 @@ def test_a_resolution_under_32_is_planned_with_a_note(capsys):
 @pytest.mark.quick
 def test_an_option_given_several_values_plans_a_cell_per_value(capsys):
     from harness import cli
-    from harness.plan import plan
+    from harness.run.plan import plan
 
     args = cli.parser().parse_args(["ladder", "--tiers", "eager,compile", "--batch", "256", "--dtype", "bf16",
                                     "--option", "eager:cudnn-benchmark=on,off", "--option",

@@ -16,7 +16,7 @@ from core.cell import Cell, Unavailable
 from core.model import build_model, make_input, write_input, write_weights, zero_init_residual
 from core.paths import REPO
 from core.placement import set_math_mode
-from harness.contract import Protocol, contract_argv
+from harness.child.contract import Protocol, contract_argv
 from tiers.cudnn import TIER, toolchain
 
 from training_on_data import BATCH, check_training_on_data
@@ -72,7 +72,7 @@ def test_declares_how_it_trains():
     (["--dtype", "fp32", "--channels-last", "0", "--lr", "0.001"], "trains channels-last only"),
 ])
 def test_training_contract_parses(binary, tmp_path, extra, error):
-    """The training cell's command line as the harness writes it (harness/contract.py), read by the binary before
+    """The training cell's command line as the harness writes it (harness/child/contract.py), read by the binary before
     any CUDA call; a valid one fails only where it first needs the GPU, or, on a GPU, at its incomplete weights."""
     from safetensors.torch import save_file
 

@@ -1,4 +1,4 @@
-"""Where the rungs run (harness/executor.py), for real: the ladder through a real Ray instance (started as a
+"""Where the rungs run (harness/run/executor.py), for real: the ladder through a real Ray instance (started as a
 cluster's head) against the local executor, resume, a rung's process killed mid-cell under Ray, a Ray worker lost
 mid-cell, and the local executor with two slots side by side."""
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_a_rungs_process_killed_mid_cell_under_ray_costs_its_cell(cluster, tmp_p
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, hanging = time.time() + 300, []
     while time.time() < deadline and not hanging and proc.poll() is None:
-        hanging = processes_with("harness.worker --tier test-hangs")
+        hanging = processes_with("harness.child.worker --tier test-hangs")
         time.sleep(0.2)
     assert hanging, "the hanging cell never started"
     time.sleep(2)
@@ -109,7 +109,7 @@ def test_a_lost_ray_worker_is_retried_and_costs_no_cell(cluster, tmp_path):
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, children = time.time() + 300, []
     while time.time() < deadline and not children and proc.poll() is None:
-        children = processes_with("-m harness.worker")  # its cells in one process: `--cells LISTING`
+        children = processes_with("-m harness.child.worker")  # its cells in one process: `--cells LISTING`
         time.sleep(0.2)
     assert children, "the rung's process never started"
     worker = parent(children[0])  # the Ray worker that started it (the launcher execs the child in place)
@@ -123,13 +123,13 @@ def test_a_lost_ray_worker_is_retried_and_costs_no_cell(cluster, tmp_path):
 def test_two_local_slots_measure_two_rungs_side_by_side(tmp_path):
     """The local executor's several-GPU path, on two slots of this host: every cell recorded once, whole, with the
     same statuses as one slot gives (run here on the CPU, where the slots share the host)."""
-    from harness import executor
-    from harness.context import Context
-    from harness.contract import Protocol
-    from harness.measure import ordered
-    from harness.plan import LadderConfig, plan
-    from harness.prepare import prepare
-    from harness.rundir import RunDir
+    from harness.child.contract import Protocol
+    from harness.run import executor
+    from harness.run.context import Context
+    from harness.run.measure import ordered
+    from harness.run.plan import LadderConfig, plan
+    from harness.run.prepare import prepare
+    from harness.run.rundir import RunDir
 
     cells = plan(LadderConfig(tiers=["eager", "onnxruntime"], batch=[1], res=[32]), "cpu")
     run = RunDir(tmp_path, "resnet50", "cpu")
@@ -148,7 +148,7 @@ def test_a_ray_worker_takes_the_raylets_tree_as_the_ladders_own(cluster):
     77 of 84 cells contended). Found from inside a real worker of the running instance."""
     import ray
 
-    from harness.contention import ancestor_named, process_tree
+    from harness.run.contention import ancestor_named, process_tree
 
     def probe() -> tuple:
         root = ancestor_named("raylet")

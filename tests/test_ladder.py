@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.rundir import read_jsonl as records_in
+from harness.run.rundir import read_jsonl as records_in
 from tests.conftest import FAST, REPO, copy_run, ladder, ladder_command, other_load, records
 
 
@@ -215,7 +215,7 @@ def test_rerun_with_another_protocol_is_refused(eager_cell_run, tmp_path):
 
 
 def descendants(pid: int) -> set[int]:
-    from harness.contention import process_tree
+    from harness.run.contention import process_tree
 
     return set(process_tree(pid)) - {pid}
 
@@ -285,7 +285,7 @@ def test_sigterm_in_the_prepare_stage_ends_the_ladder_at_once(tmp_path):
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, kids = time.time() + 300, set()
     while time.time() < deadline and not kids:  # a job's process (a warm-up, a C++ build, a reference) runs
-        kids = {p for p in descendants(proc.pid) if "harness.worker" in cmdline(p) or "cmake" in cmdline(p)}
+        kids = {p for p in descendants(proc.pid) if "harness.child.worker" in cmdline(p) or "cmake" in cmdline(p)}
         time.sleep(0.1)
     assert kids, "the prepare stage started no job"
     t = time.time()
@@ -405,7 +405,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work(tmp_path):
 def test_a_short_write_leaves_no_half_record_and_names_the_disk(tmp_path, monkeypatch):
     """The disk fills after half a record's line is written: the file is cut back to its last whole record, and
     the error names the cell and the disk."""
-    from harness import rundir
+    from harness.run import rundir
 
     run = rundir.RunDir(tmp_path, "resnet18", "cpu")
     first = {"label": "eager", "batch": 1, "dtype": "fp32", "status": "ok"}
@@ -428,7 +428,7 @@ def test_a_short_write_leaves_no_half_record_and_names_the_disk(tmp_path, monkey
 
 @pytest.mark.quick
 def test_the_free_space_check_counts_what_the_run_directory_holds(tmp_path):
-    from harness.rundir import RunDir
+    from harness.run.rundir import RunDir
 
     run = RunDir(tmp_path, "resnet18", "cpu")
     (tmp_path / "resnet18.weights.safetensors").write_bytes(b"\0" * (8 << 20))  # a resumed run's weights
@@ -439,7 +439,7 @@ def test_the_free_space_check_counts_what_the_run_directory_holds(tmp_path):
 
 @pytest.mark.quick
 def test_a_child_that_dies_on_a_full_disk_says_so(tmp_path):
-    from harness.failures import failure_status
+    from harness.run.failures import failure_status
 
     status, reason = failure_status(1, None, "OSError: [Errno 28] No space left on device", disk=tmp_path)
     assert status == "error" and reason.startswith("disk full: the disk mounted at /") and "Errno 28" in reason
@@ -472,7 +472,7 @@ def test_a_disk_that_fills_mid_run_loses_no_record_silently(tmp_path):
         assert saved == list(range(1, int(said[1]))) and int(said[2]) == len(saved)
         kept = (small / "results.jsonl").read_text()
         assert kept == "" or kept.endswith("}\n")
-        from harness.failures import failure_status
+        from harness.run.failures import failure_status
         status, reason = failure_status(1, None, "", disk=small)  # a child that died without a word on it
         assert status == "error" and reason.startswith(f"disk full: the disk mounted at {small} (0 MiB free)")
     finally:
@@ -482,7 +482,7 @@ def test_a_disk_that_fills_mid_run_loses_no_record_silently(tmp_path):
 def test_a_busy_child_of_the_ladder_that_ends_inside_the_window_is_still_its_own():
     """As a rung's process on another GPU ends while a cell is timed: its CPU time stays 'ours' (it passes to its
     parent when reaped), so neither its ticks before the window nor in it read as another process's."""
-    from harness.contention import Contention
+    from harness.run.contention import Contention
 
     if busy := other_load():
         pytest.skip(f"the host is busy (other processes keep {busy:.1f} CPUs busy): this test tells our child's CPU "

@@ -66,8 +66,8 @@ def test_no_project_import_is_hidden_in_a_function():
 def test_the_check_sees_an_upward_import(tmp_path):
     """The checker itself fails on what it is for: a core module importing the harness, in a function."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from harness.record import bound\n    return bound\n")
-    assert imports(bad) == [("harness.record", True, 2)]
+    bad.write_text("def f():\n    from harness.run.record import bound\n    return bound\n")
+    assert imports(bad) == [("harness.run.record", True, 2)]
 
 
 @pytest.mark.quick
@@ -84,58 +84,56 @@ def test_the_architecture_names_every_module():
     """docs/architecture.md names each module of the packages, bench/ and kernels/triton: a new module without its
     line there fails here."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    modules = [p for d in ("core", "harness", "tiers", "tiers/exports", "kernels/triton", "bench")
-               for p in sorted((REPO / d).glob("*.py")) if p.name != "__init__.py"]
+    folders = ("core", "harness", "harness/child", "harness/run", "harness/results", "tiers", "tiers/exports",
+               "kernels/triton", "bench")
+    modules = [p for d in folders for p in sorted((REPO / d).glob("*.py")) if p.name != "__init__.py"]
     assert modules and "`bench/`" in text
     missing = [str(p.relative_to(REPO)) for p in modules if f"`{p.stem}" not in text and f"{p.stem}`" not in text
                and f"/{p.stem}" not in text]
     assert not missing, f"not named in docs/architecture.md: {missing}"
 
 
-# harness/'s rooms, lowest first: each module imports only from its own room and the rooms below it
-# (docs/architecture.md, "harness/, by room"). A new module gets its room here, or the test below fails.
-ROOMS = {
-    "child": {"contract", "worker", "profile", "timing", "layerbench", "reference"},
-    "run": {"plan", "prepare", "executor", "measure", "watch", "context", "rundir", "sampler", "contention",
-            "failures", "record", "census", "status", "refusal", "host_noise"},
-    "results": {"load", "derive", "columns", "tables", "report", "plots", "census_plot", "compare"},
-    "commands": {"__main__", "cli", "ladder", "accuracy", "mutations", "listing", "micro", "census_report",
-                 "layers_report"},
-}
-ROOM_ORDER = list(ROOMS)
+# harness/'s rooms, lowest first, each a folder (the commands: the modules at harness/'s top): each module imports only
+# from its own room and the rooms below it (docs/architecture.md, "harness/, by room").
+ROOM_ORDER = ["child", "run", "results", "commands"]
 
 
-def room_of(module: str) -> str | None:
-    return next((room for room, members in ROOMS.items() if module in members), None)
+def room_of(path: Path) -> str:
+    return "commands" if path.parent.name == "harness" else path.parent.name
 
 
-def harness_imports() -> list[tuple[str, str, int]]:
-    """(importing module, imported harness module, line) for every import between harness modules."""
+def imported_room(module: str) -> str:
+    """The room of `harness.<room>.<module>`, `harness.<room>` or `harness.<command>`."""
+    part = module.split(".")[1]
+    return part if part in ROOM_ORDER else "commands"
+
+
+def harness_imports() -> list[tuple[Path, str, int]]:
+    """(importing file, imported room, line) for every import between harness modules."""
     out = []
-    for path in sorted((REPO / "harness").glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+    for path in sorted((REPO / "harness").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 if node.module.startswith("harness."):
-                    out.append((path.stem, node.module.split(".")[1], node.lineno))
+                    out.append((path, imported_room(node.module), node.lineno))
                 elif node.module == "harness":
-                    out.extend((path.stem, a.name, node.lineno) for a in node.names)
+                    out.extend((path, imported_room(f"harness.{a.name}"), node.lineno) for a in node.names)
             elif isinstance(node, ast.Import):
-                out.extend((path.stem, a.name.split(".")[1], node.lineno) for a in node.names
+                out.extend((path, imported_room(a.name), node.lineno) for a in node.names
                            if a.name.startswith("harness."))
     return out
 
 
 @pytest.mark.quick
-def test_every_harness_module_has_a_room():
-    modules = {p.stem for p in (REPO / "harness").glob("*.py")} - {"__init__"}
-    assert not (missing := sorted(m for m in modules if room_of(m) is None)), f"give these a room in ROOMS: {missing}"
-    assert not (gone := sorted(set().union(*ROOMS.values()) - modules)), f"ROOMS names modules that are gone: {gone}"
+def test_every_harness_module_is_in_a_room():
+    """harness/ holds the commands and one folder per room, nothing deeper."""
+    strays = [str(p.relative_to(REPO)) for p in (REPO / "harness").rglob("*.py")
+              if room_of(p) not in ROOM_ORDER or p.parent.parent.name not in ("harness", REPO.name)]
+    assert not strays, f"not in a room ({', '.join(ROOM_ORDER[:-1])}) nor a command: {strays}"
 
 
 @pytest.mark.quick
 def test_harness_rooms_import_only_downward():
-    upward = [f"harness/{m}.py:{line} ({room_of(m)}) imports {dep} ({room_of(dep)})"
-              for m, dep, line in harness_imports() if m != dep
-              and ROOM_ORDER.index(room_of(dep)) > ROOM_ORDER.index(room_of(m))]
+    upward = [f"{p.relative_to(REPO)}:{line} ({room_of(p)}) imports from {dep}" for p, dep, line in harness_imports()
+              if ROOM_ORDER.index(dep) > ROOM_ORDER.index(room_of(p))]
     assert not upward, "\n".join(upward)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.model import build_model, make_input, read_tensor, write_input, write_weights
-from harness.contract import PHASES, RESULT_KEYS, Protocol, contract_argv
+from harness.child.contract import PHASES, RESULT_KEYS, Protocol, contract_argv
 from core.cell import Cell
 from tiers.libtorch import TIERS
 
@@ -110,7 +110,7 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
     import sys
 
     results = {}
-    for tier, program in (("eager", [sys.executable, "-m", "harness.worker"]), ("libtorch", programs["libtorch"])):
+    for tier, program in (("eager", [sys.executable, "-m", "harness.child.worker"]), ("libtorch", programs["libtorch"])):
         proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == list(PHASES)
@@ -128,7 +128,7 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
         assert r["pipelined"]["iters"] == max(TINY.pipelined_iters, math.ceil(TINY.pipelined_s * 1e3 / median))
         assert all(v == [] for v in r["e2e"].values())  # skipped on the CPU by both
         assert r["warmup"]["iters"] == TINY.warmup_min  # --warmup-s elapsed during the first call
-        marks = r["util"]["marks"]  # a sustained cell's window is read from them (harness/record.py sustained)
+        marks = r["util"]["marks"]  # a sustained cell's window is read from them (harness/run/record.py sustained)
         assert marks[0] == [0, 0] and marks[-1][1] == r["util"]["iters"] > 0
         assert marks[-1][0] == pytest.approx(r["util"]["seconds"], abs=1e-3)
 
@@ -139,11 +139,11 @@ def test_census_pass_is_the_same_in_both_protocol_implementations(programs, file
     import sys
 
     from core.layers import convolutions
-    from harness import census
-    from harness.contract import CENSUS_KEYS
+    from harness.child.contract import CENSUS_KEYS
+    from harness.run import census
 
     traced = dataclasses.replace(TINY, census_steps=2)
-    for tier, program, basis in (("eager", [sys.executable, "-m", "harness.worker"], "module scopes"),
+    for tier, program, basis in (("eager", [sys.executable, "-m", "harness.child.worker"], "module scopes"),
                                  ("libtorch", programs["libtorch"], "convolutions in order")):
         out = files["dir"] / f"census-{tier}"
         out.mkdir(exist_ok=True)
@@ -178,11 +178,11 @@ def test_host_rss_is_the_childs_own_peak(programs, files):
     exec into both children's figures)."""
     import sys
 
-    from harness.worker import peak_rss_bytes
+    from harness.child.worker import peak_rss_bytes
 
     ballast = bytearray(3 << 30)  # zero-filled, so resident
     parent_peak = peak_rss_bytes()
-    for tier, program in (("eager", [sys.executable, "-m", "harness.worker"]), ("libtorch", programs["libtorch"])):
+    for tier, program in (("eager", [sys.executable, "-m", "harness.child.worker"]), ("libtorch", programs["libtorch"])):
         proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         rss = json.loads((out / "result.json").read_text())["rss_peak_bytes"]

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from harness import columns, derive, host_noise, report
-from harness import record as records
+from harness.results import columns, derive, report
+
+from harness.run import host_noise
+from harness.run import record as records
 from core.parity import TOLERANCES, compare
 from core.stats import summarize
 
@@ -94,7 +96,7 @@ def test_an_interpreted_cell_is_labelled_and_never_ranked():
     assert rows[1]["rung"] == "triton (interpreted)" and rows[1]["img/s"] == rows[1]["vs eager"] == ""
     assert "fastest eager" in derive.fastest_lines([eager, fast_but_interpreted])[0]
     assert columns.rows([eager, record(tier="triton", latency_ms=1.0)])[1]["vs eager"] == "2.00x"
-    from harness.compare import compare as compare_runs
+    from harness.results.compare import compare as compare_runs
 
     verdicts = {r["rung"]: r["verdict"] for r in compare_runs([[fast_but_interpreted]], [[fast_but_interpreted]], 0.03)}
     assert verdicts == {"triton": "interpreted: not a speed"}
@@ -150,7 +152,7 @@ def test_median_confidence_interval_is_the_order_statistics_interval():
 
 @pytest.mark.quick
 def test_failure_status_names_an_allocator_refusal_oom():
-    from harness.failures import failure_status
+    from harness.run.failures import failure_status
 
     assert failure_status(1, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "")[0] == "oom"
     assert failure_status(1, "RuntimeError: [enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
@@ -292,8 +294,8 @@ def test_option_ab_takes_two_values_the_rung_accepts():
 def test_energy_is_read_over_seconds_and_withheld_where_it_cannot_be_right():
     """The energy window's update period and error from the counter's own steps; img/J from the average power, and
     withheld (with its reason) for a window under a second or an average above the board's limit."""
-    from harness.record import per_joule
-    from harness.sampler import energy
+    from harness.run.record import per_joule
+    from harness.run.sampler import energy
 
     samples = [{"t": i * 0.02, "energy_mj": 1000 * (i // 5)} for i in range(101)]  # 2 s; the counter moves every 0.1 s
     window = {**energy(samples), "power_limit_w": 700.0}
@@ -308,9 +310,9 @@ def test_energy_is_read_over_seconds_and_withheld_where_it_cannot_be_right():
 
 @pytest.mark.quick
 def test_a_cell_timed_at_a_held_clock_is_flagged_with_the_reason_nvml_gave():
-    from harness.derive import clock_lines
-    from harness.record import clocks_while_timed
-    from harness.sampler import clocks
+    from harness.results.derive import clock_lines
+    from harness.run.record import clocks_while_timed
+    from harness.run.sampler import clocks
 
     readings = [{"sm_mhz": 1620, "mem_mhz": 3201, "power_w": 699.0, "reasons": 0x4} for _ in range(8)]
     readings += [{"sm_mhz": 1980, "mem_mhz": 3201, "power_w": 600.0, "reasons": 0} for _ in range(2)]
@@ -328,8 +330,8 @@ def test_a_cell_timed_at_a_held_clock_is_flagged_with_the_reason_nvml_gave():
 @pytest.mark.quick
 def test_a_sustained_cell_is_its_last_seconds_after_the_load_and_only_big_gpu_cells_sustain():
     from core.cell import Cell
-    from harness.contract import SUSTAIN_WINDOW_S, Protocol
-    from harness.record import sustained
+    from harness.child.contract import SUSTAIN_WINDOW_S, Protocol
+    from harness.run.record import sustained
 
     # 12 s of marks, every 0.25 s: 400 calls/s for 10 s, then 300 (a clock that fell)
     marks = [[t, 400 * t if t <= 10 else 4000 + 300 * (t - 10)] for t in (i / 4 for i in range(49))]

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import FAST, REPO
-from harness import compare, plots, report, tables
 from harness.cli import main
+from harness.results import compare, plots, report, tables
 
 ENV80 = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
 # The two sweeps that compare judges run each cell on one intra-op thread. With two threads on a 2-core host, a cell
@@ -328,7 +328,7 @@ def test_micro_training_table_fits_100_columns_with_whole_layer_names():
 
     from rich.console import Console
 
-    from harness.micro import micro_table
+    from harness.results.micro_tables import micro_table
 
     rows = json.loads((REPO / "results/nvidia-h100-80gb-hbm3/train/cudnn/micro/"
                        "micro_train_cudnn_b256_bf16.json").read_text())["rows"]
@@ -344,8 +344,8 @@ def test_micro_training_table_fits_100_columns_with_whole_layer_names():
 def test_a_hand_written_cell_is_stated_against_the_best_framework_cell_of_its_dtype():
     """vs fw divides the fastest framework cell (any layout, mode or option; never a hand-written one) at the same
     task, batch, res and dtype (bf16 for fp8); the fastest line names it; the CSV and the JSON carry both."""
-    from harness.columns import rows
-    from harness.derive import best_framework, fastest_lines, speedups
+    from harness.results.columns import rows
+    from harness.results.derive import best_framework, fastest_lines, speedups
 
     def rec(tier, ms, dtype="bf16", channels_last=True, options=None, batch=256):
         label = tier + (f"({','.join(options.values())})" if options else "")

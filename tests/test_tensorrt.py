@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from core.model import build_model, make_input
-from harness.timing import prepare_input
+from harness.child.timing import prepare_input
 from tests.conftest import REPO, ladder, records
 from core.cell import Cell
 from tiers.exports.onnx import bound_input, export_onnx

@@ -15,7 +15,7 @@ from core import train
 from core.cell import Cell
 from core.model import make_input, write_input, write_weights
 from core.placement import set_math_mode
-from harness.contract import TRAIN_PHASES, TRAIN_RESULT_KEYS, Protocol, contract_argv
+from harness.child.contract import TRAIN_PHASES, TRAIN_RESULT_KEYS, Protocol, contract_argv
 
 IMAGES, BATCH, EPOCHS = 16, 8, 2
 # Each step's rate, up to 5x apart: a rate left constant, or read once, fails.

@@ -1,7 +1,7 @@
 """The rung interface. A rung is one file in tiers/ that defines `TIER` (or `TIERS`, a list).
 
 Two kinds, told apart by type, share one contract (docs/protocol.md):
-- `PythonTier`: builds a callable in the worker process (harness/worker.py runs the protocol around it);
+- `PythonTier`: builds a callable in the worker process (harness/child/worker.py runs the protocol around it);
 - `ExternalTier`: a program of its own (C++), which runs the same protocol itself; the rung only says how to build
   it (cached), which files it needs made from the run's weights, and how to start it.
 
@@ -51,7 +51,7 @@ class Tier:
     has_micro: bool = False
     has_micro_train: bool = False  # whether its microbenchmark also times the training step's layers
     # Whether the network is written here, kernel by kernel (triton, cudnn), rather than run by a framework: the
-    # reports state these rungs' speed against the best framework cell too (harness/derive.py best_framework).
+    # reports state these rungs' speed against the best framework cell too (harness/results/derive.py best_framework).
     hand_written: bool = False
 
     def availability(self, device: str) -> str | None:

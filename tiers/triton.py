@@ -92,7 +92,7 @@ def _tuned(store: Store, tune: bool, example: torch.Tensor, warm: str) -> Iterat
     stats.update({
         # the interpreter never autotunes
         "autotune": "interpreter" if tuning.INTERPRET else ("on" if tune else "off"),
-        "interpreted": tuning.INTERPRET,  # the timings are the interpreter's (harness/record.py `interpreted`)
+        "interpreted": tuning.INTERPRET,  # the timings are the interpreter's (harness/run/record.py `interpreted`)
         "tuning_tables": tables,  # tuning tables read: shipped for this GPU model, and the run's own
         "table_hits": tuning.STATS["table_hits"] - before["table_hits"],  # launches configured from a table
         "autotune_s": round(tuning.STATS["seconds"] - before["seconds"], 3),

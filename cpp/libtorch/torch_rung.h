@@ -149,7 +149,7 @@ class TorchRung : public ladder::Rung {
     if (stream_) guarded([&] { c10::cuda::CUDACachingAllocator::resetPeakStats(stream_->device_index()); });
   }
   void report_memory(Json& memory) override {
-    // As harness/worker.py: what a training rung knows of its memory, and the rest of the allocator's peak.
+    // As harness/child/worker.py: what a training rung knows of its memory, and the rest of the allocator's peak.
     if (mode_ == Mode::kTrain && weights_bytes > 0)
       memory["weights_bytes"] = memory["gradient_bytes"] = memory["optimizer_state_bytes"] = weights_bytes;
     if (!stream_) return;  // on the CPU the allocator figures stay null

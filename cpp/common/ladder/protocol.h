@@ -1,6 +1,6 @@
 // The measurement protocol of docs/protocol.md, for C++ rungs. A rung implements `Rung`; its main() is
 //   int main(int argc, char** argv) { return ladder::run_child(argc, argv, build_my_rung); }
-// and this driver does the phases, the timing and the files exactly as harness/worker.py does for Python rungs.
+// and this driver does the phases, the timing and the files exactly as harness/child/worker.py does for Python rungs.
 #pragma once
 #include <cuda_runtime.h>
 #include <time.h>
@@ -100,8 +100,8 @@ struct Rung {
     (void)lr;
     throw std::runtime_error("this rung does not train on data");
   }
-  // The census pass (--census-steps N above 0; harness/contract.py CENSUS_KEYS): N forwards, each inside a range
-  // named CENSUS_STEP and synchronised, profiled into the Chrome trace at `path`, which harness/census.py reads.
+  // The census pass (--census-steps N above 0; harness/child/contract.py CENSUS_KEYS): N forwards, each inside a range
+  // named CENSUS_STEP and synchronised, profiled into the Chrome trace at `path`, which harness/run/census.py reads.
   // Returns the result's "census": steps, source, module_scopes; or, from a rung without a profiler, why (error).
   virtual Json census(int steps, const std::string& path) {
     (void)steps, (void)path;
@@ -111,7 +111,7 @@ struct Rung {
   }
 };
 
-constexpr const char* CENSUS_STEP = "census:step";  // harness/contract.py CENSUS_STEP
+constexpr const char* CENSUS_STEP = "census:step";  // harness/child/contract.py CENSUS_STEP
 
 // Builds the rung from the parsed arguments, the weights and the fp32 NCHW input; records facts in build_stats.
 using RungFactory = std::function<std::unique_ptr<Rung>(const Args&, const TensorMap& weights,
@@ -174,7 +174,7 @@ inline void synchronize(const Args& a, Rung& r) { if (a.on_gpu()) LADDER_CUDA(cu
 
 // This process's own peak resident memory: VmHWM of /proc/self/status, which exec resets. Not getrusage's
 // ru_maxrss, which carries the ladder parent's peak across fork and exec. -1 where there is no /proc (absent).
-// harness/worker.py peak_rss_bytes does the same.
+// harness/child/worker.py peak_rss_bytes does the same.
 inline long long peak_rss_bytes() {
   std::ifstream status("/proc/self/status");
   std::string line;
@@ -266,7 +266,7 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   rung->forward();
   synchronize(a, *rung);
   cold["first_result_s"] = now_s() - t;
-  // Training: the parity steps go on from the first (harness/worker.py build does the same).
+  // Training: the parity steps go on from the first (harness/child/worker.py build does the same).
   for (int i = 1; i < std::stoi(a.get("parity-steps", "1")); ++i) rung->forward();
   write_safetensors(a.get("output"), rung->result_tensors());
   result["cold"] = cold;
@@ -302,7 +302,7 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
 
   phase("latency");
   // Until the median is known to +-precision (95% CI), after --iters calls and --min-time-s; at most --max-time-s
-  // or --max-iters (harness/worker.py latency_pass).
+  // or --max-iters (harness/child/worker.py latency_pass).
   std::vector<double> lat, host;
   std::string stopped;
   t = now_s();
@@ -351,7 +351,7 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
       LADDER_CUDA(cudaStreamSynchronize(s));
       return (now_s() - t0) * 1e3;
     };
-    for (int i = 0; i < a.i("e2e-iters"); ++i) {  // device: output to pinned memory, as harness/worker.py
+    for (int i = 0; i < a.i("e2e-iters"); ++i) {  // device: output to pinned memory, as harness/child/worker.py
       dev.push_back(run(nullptr, pin_out, false));
       pageable.push_back(run(host_in.data(), host_out.data(), true));
       pinned.push_back(run(pin_in, pin_out, true));
@@ -372,7 +372,7 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   rung->report_memory(memory);
   result["memory"] = memory;
 
-  phase("util");  // marks: [seconds since the pass began, calls done] about every UTIL_MARK_S (harness/contract.py)
+  phase("util");  // marks: [seconds since the pass began, calls done] about every UTIL_MARK_S (harness/child/contract.py)
   int iters = 0;
   Json marks = Json::array();
   marks.push_back(Json(std::vector<double>{0.0, 0.0}));
@@ -416,7 +416,7 @@ inline bool run_one(const std::vector<std::string>& argv, const RungFactory& fac
 }
 
 // `--cells FILE`: a JSON list of single-cell command lines, measured in turn in this process, each announced with
-// `@@cell I`; a failing cell reports `@@error` and the next one runs (harness/worker.py main does the same).
+// `@@cell I`; a failing cell reports `@@error` and the next one runs (harness/child/worker.py main does the same).
 // Otherwise the command line is one cell's.
 inline int run_child(int argc, char** argv, const RungFactory& factory) {
   const std::vector<std::string> args(argv + 1, argv + argc);

@@ -1,7 +1,7 @@
 // The census pass of the cudnn rung (ladder::Rung::census): CUPTI's activity API records every kernel, copy and
 // memset and the runtime and driver calls that launched them; the rung adds its own host ranges (the census step,
 // and each step of its schedule with the layer it computes). Written as a Chrome trace in the subset of Kineto's
-// format that harness/census.py reads, so that the cudnn rung's census means what torch.profiler's does.
+// format that harness/run/census.py reads, so that the cudnn rung's census means what torch.profiler's does.
 #pragma once
 #include <string>
 #include <vector>
@@ -19,7 +19,7 @@ class CuptiTrace {
   CuptiTrace& operator=(const CuptiTrace&) = delete;
 
   static unsigned long long now();  // CUPTI's clock (ns), that of its records
-  // A host range of the launching thread: `args` may name its layer (harness/census.py LAYER, BASIS, PHASE).
+  // A host range of the launching thread: `args` may name its layer (harness/run/census.py LAYER, BASIS, PHASE).
   void range(const std::string& name, unsigned long long start, unsigned long long end, ladder::Json args);
   void write(const std::string& path);  // flushes CUPTI's buffers, then the trace (ts in µs from the first range)
 

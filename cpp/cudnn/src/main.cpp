@@ -131,7 +131,7 @@ class CudnnRung : public ladder::Rung {
         const auto t = rung::CuptiTrace::now();
         net_->issue_step(k);
         ladder::Json args = ladder::Json::object();
-        if (!layer.empty()) {  // harness/census.py (core/layers.py) LAYER, BASIS and PHASE
+        if (!layer.empty()) {  // harness/run/census.py (core/layers.py) LAYER, BASIS and PHASE
           args["census layer"] = layer;
           args["census basis"] = "the rung's schedule";
           args["census phase"] = pass;

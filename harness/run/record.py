@@ -16,12 +16,12 @@ from core.layers import convolutions, elements_per_group
 from core.parity import NEARER_THAN_ANOTHER_INPUT, judges_stages, verdict
 from core.placement import torch_dtype
 from core.stats import summarize
-from harness import census
-from harness.contention import describe
-from harness.contract import SUSTAIN_WINDOW_S
-from harness.context import Context
-from harness.rundir import cell_dir
-from harness.status import DEFINITION, Status
+from harness.child.contract import SUSTAIN_WINDOW_S
+from harness.run import census
+from harness.run.contention import describe
+from harness.run.context import Context
+from harness.run.rundir import cell_dir
+from harness.run.status import DEFINITION, Status
 from tiers import get_tier
 
 SCHEMA_VERSION = 1
@@ -30,7 +30,7 @@ HOST_BOUND = 0.8  # host time / latency from which a cell counts as host-bound (
 
 # What every figure of a record means; shipped inside every JSON file so it reads on its own.
 DEFINITIONS = {
-    "speedups": "derived when the document is written (harness/derive.py): vs_eager = eager's median over this "
+    "speedups": "derived when the document is written (harness/results/derive.py): vs_eager = eager's median over this "
                 "cell's (eager at the same task, batch, res, layout and dtype, bf16 for fp8; `eager` its key); "
                 "vs_best_framework = the same over the fastest cell of a framework rung (not hand-written) at the "
                 "same task, batch, res and dtype in any layout, mode or option (`best_framework` its key)",
@@ -38,7 +38,7 @@ DEFINITIONS = {
               "phase): unit (GPU kernels; on the CPU operators by self time), steps profiled, wall_ms (a step's "
               "wall time, synchronised), busy_ms (time at least one kernel ran), kernel_ms (the kernels' summed "
               "time per step), host_gaps_ms (wall - busy: the host's cost), kernels_per_step, attribution (share of "
-              "kernel time per basis: harness/census.py), groups and layers (ms, kernels and TFLOP/s per step; a "
+              "kernel time per basis: harness/run/census.py), groups and layers (ms, kernels and TFLOP/s per step; a "
               "group's floor_gbs: its convolutions' inputs, outputs, shortcuts and weights through memory once, per "
               "second of its time: the least it moves), "
               "kernels (launches per step, total_ms per step, median_us, share), trace (the Chrome trace)",
@@ -273,7 +273,7 @@ MIN_ENERGY_WINDOW_S = 1.0
 
 
 def per_joule(window: dict, images_per_s: float) -> dict:
-    """img/J over an NVML energy `window` (harness/sampler.py energy) at `images_per_s`, or why it is withheld: a
+    """img/J over an NVML energy `window` (harness/run/sampler.py energy) at `images_per_s`, or why it is withheld: a
     window too short for the counter, or an average power above the board's limit (which a right reading cannot
     give)."""
     if not window.get("energy_j") or not window.get("average_power_w"):

@@ -1,11 +1,11 @@
 """What the reports derive from records, before any rendering: each cell's eager baseline and speed-up (and whether
-it divides two runs' host draws or two GPUs), and the fastest cell per configuration (harness/columns.py turns
+it divides two runs' host draws or two GPUs), and the fastest cell per configuration (harness/results/columns.py turns
 them into the tables' and the CSV's columns)."""
 from __future__ import annotations
 
 from core.cell import layout_name
-from harness.record import CONTENDED_MARK, SLOW_CLOCK_SHARE, bound, contended, ranked
-from harness.status import Status
+from harness.run.record import CONTENDED_MARK, SLOW_CLOCK_SHARE, bound, contended, ranked
+from harness.run.status import Status
 from tiers import all_tiers
 
 BASELINE_DTYPE = {"fp8": "bf16"}  # eager has no fp8: an fp8 cell's speed-up is over eager in its activations' type
@@ -51,7 +51,7 @@ def speedups(records: list[dict], r: dict) -> dict:
             "vs_best_framework": speedup(framework, r), "best_framework": framework and framework["key"]}
 
 
-SLOW_MARK = "*"  # an SM clock below SLOW_CLOCK_SHARE of its maximum while timed (harness/record.py)
+SLOW_MARK = "*"  # an SM clock below SLOW_CLOCK_SHARE of its maximum while timed (harness/run/record.py)
 
 
 def clock_lines(records: list[dict]) -> list[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from harness.census import comparable
-from harness.plots import describe_run, pyplot, save
+from harness.results.plots import describe_run, pyplot, save
+from harness.run.census import comparable
 
 
 def census_groups(doc: dict, path: Path) -> Path | None:

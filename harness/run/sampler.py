@@ -7,7 +7,7 @@ from typing import Any
 
 from core.env import gpu_handle
 from core.stats import median
-from harness.contract import SUSTAIN_WINDOW_S, TIMED_PHASES
+from harness.child.contract import SUSTAIN_WINDOW_S, TIMED_PHASES
 
 
 def device_memory_used(gpu: str | None = None) -> int | None:

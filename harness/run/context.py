@@ -10,8 +10,8 @@ from typing import Callable
 
 from core.cell import Cell, Store
 from core.paths import TUNINGS
-from harness.contract import Protocol
-from harness.rundir import RunDir, cell_dir
+from harness.child.contract import Protocol
+from harness.run.rundir import RunDir, cell_dir
 
 
 def shipped_tunings(gpu: str | None, tier: str) -> Path | None:

@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from core.cell import DTYPES
-from harness.record import CONTENDED_MARK, contended, ranked
-from harness.status import Status
+from harness.run.record import CONTENDED_MARK, contended, ranked
+from harness.run.status import Status
 
 MIB = 2**20
 TASK_NAMES = {"infer": "inference", "train": "training"}

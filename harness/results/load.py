@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from core.cell import Cell
-from harness.rundir import read_jsonl
+from harness.run.rundir import read_jsonl
 from tiers import identity
 
 class BadInput(Exception):

@@ -1,4 +1,4 @@
-"""The kernel census of a cell: from the Chrome trace of its census pass (harness/profile.py in a Python rung's
+"""The kernel census of a cell: from the Chrome trace of its census pass (harness/child/profile.py in a Python rung's
 child, the C++ protocol's own in a C++ rung's), each kernel with its launches, time and share of the step, kernels
 per step, the GPU's busy time against the step's wall time, and the kernels' time by layer and layer group.
 
@@ -28,7 +28,7 @@ from statistics import median
 from typing import Any, NamedTuple
 
 from core.layers import BASIS, LAYER, PHASE, SCOPE, Conv, block_of, group_of
-from harness.contract import CENSUS_STEP
+from harness.child.contract import CENSUS_STEP
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")

@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 from core.files import disk_free
-from harness.status import Status
+from harness.run.status import Status
 
 DISK_FULL_WORDS = ("no space left on device", "errno 28", "disk quota exceeded")
 DISK_NEARLY_FULL = 16 << 20  # free bytes under which a child's silent death is put down to the disk

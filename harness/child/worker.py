@@ -2,7 +2,7 @@
 rung measured in turn (the runner's `--isolation rung`).
 
 cpp/common/ladder/protocol.h is the same protocol for the C++ rungs; keep the two in step.
-Run as `python -m harness.worker --tier NAME --batch ... --result R.json ...` or `python -m harness.worker --cells
+Run as `python -m harness.child.worker --tier NAME --batch ... --result R.json ...` or `python -m harness.child.worker --cells
 FILE` (the runner builds both)."""
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from core.model import load_model, read_tensor
 from core.parity import run_stages, stage_errors, unpack_stages
 from core.placement import set_math_mode
 from core.stats import median
-from harness import profile
-from harness.contract import CELL, ERROR, PHASE, UTIL_MARK_S, cell_of, parse_argv
-from harness.timing import Clock, latency_pass, prepare_input, stream_of, sync_of, timed_forward, warmup_pass
+from harness.child import profile
+from harness.child.contract import CELL, ERROR, PHASE, UTIL_MARK_S, cell_of, parse_argv
+from harness.child.timing import Clock, latency_pass, prepare_input, stream_of, sync_of, timed_forward, warmup_pass
 from tiers import get_tier
 
 
@@ -124,7 +124,7 @@ def first_result(kv: dict[str, str], cell: Cell, built: Built, example: torch.Te
 
 
 def train_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> dict[str, Any]:
-    """--train-data FILE and --states DIR (harness/contract.py TRAIN_PHASES), as the C++ rungs do it
+    """--train-data FILE and --states DIR (harness/child/contract.py TRAIN_PHASES), as the C++ rungs do it
     (cpp/common/ladder/protocol.h train_on_data): each epoch's steps over its batches of `order`, each at its rate
     of `lr`, then the state after the epoch to DIR/epoch-E.safetensors. The result: cold, build_stats, epochs."""
     data = load_file(kv["train-data"])
@@ -252,7 +252,7 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
     phase("util")
     result["util"] = util_pass(forward, example, sync, float(kv["util-s"]))
 
-    if int(kv.get("census-steps", 0)):  # the kernel census (harness/census.py reads its trace in the parent)
+    if int(kv.get("census-steps", 0)):  # the kernel census (harness/run/census.py reads its trace in the parent)
         phase("census")
         result["census"] = profile.record(built, example, sync, int(kv["census-steps"]), Path(kv["census"]),
                                           cell.device == "cuda", scoped=not cell.cuda_graph)

@@ -4,7 +4,7 @@ that rung builds the whole network, checked against eager fp32 on the same input
 --reps calls each between CUDA events (perf_counter on the CPU), their median. One process per rung, the layers in
 turn; a layer that fails is a row with its error and the next one runs.
 
-    python -m harness.layerbench --tier T --model M --batch B --res R --dtype D --layout nhwc --device cuda
+    python -m harness.child.layerbench --tier T --model M --batch B --res R --dtype D --layout nhwc --device cuda
         --weights W --out ROWS.json [--reps 50]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from core.layers import Layer, distinct_layers, layer_net
 from core.model import load_model
 from core.parity import compare
 from core.placement import set_math_mode
-from harness.timing import Clock, prepare_input, sync_of
+from harness.child.timing import Clock, prepare_input, sync_of
 from tiers import get_tier
 
 WARMUP = 10
@@ -59,7 +59,7 @@ def bench_layer(tier, model: torch.nn.Module, layer: Layer, cell: Cell, reps: in
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.layerbench")
+    p = argparse.ArgumentParser(prog="python -m harness.child.layerbench")
     for flag in ("--tier", "--model", "--dtype", "--layout", "--device", "--weights", "--out"):
         p.add_argument(flag, required=True)
     p.add_argument("--batch", type=int, required=True)

@@ -4,7 +4,7 @@ at once, with no GPU involved. On a steady machine every chunk takes about as lo
 shared VM chunks run up to 2x slow for seconds at a time. Each run's environment records a short probe
 (`host_cpu`); the long form, with the series and whether slow spells coincide across CPUs, is
 
-    python -m harness.host_noise --cpus 0,4,8,12 --seconds 20 --json host_noise.json
+    python -m harness.run.host_noise --cpus 0,4,8,12 --seconds 20 --json host_noise.json
 """
 from __future__ import annotations
 

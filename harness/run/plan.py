@@ -11,8 +11,8 @@ from pathlib import Path
 from core.cell import DTYPES, Cell
 from core.env import gpu_handle
 from core.memory import activation_bytes_per_image, host_available_bytes
-from harness.contract import Protocol
-from harness.refusal import Refusal
+from harness.child.contract import Protocol
+from harness.run.refusal import Refusal
 from tiers import all_tiers
 
 
@@ -32,12 +32,12 @@ class LadderConfig:
     option: list[tuple[str, str, str]] = field(default_factory=list)  # (rung, key, values: comma-separated)
     device: str | None = None
     isolation: str = "rung"
-    executor: str = "local"  # where the rungs' processes run (harness/executor.py)
+    executor: str = "local"  # where the rungs' processes run (harness/run/executor.py)
     ray_address: str | None = None  # --executor ray: an existing cluster ('auto', HOST:PORT); None starts one here
     retune: bool = False
     isolation_check: str = "warn"
     protocol: Protocol = field(default_factory=Protocol)
-    util_s: float | None = None  # the protocol's util pass; None: the device's (harness/contract.py UTIL_S)
+    util_s: float | None = None  # the protocol's util pass; None: the device's (harness/child/contract.py UTIL_S)
     jobs: int = os.cpu_count() or 1
     host_probe: bool = False
     out: Path | None = None

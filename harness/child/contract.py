@@ -1,5 +1,5 @@
 """The child contract of docs/protocol.md, written once: the protocol's knobs, the command line of a child, the lines
-it prints and the keys of the result file it writes. harness/worker.py (Python rungs) implements it and
+it prints and the keys of the result file it writes. harness/child/worker.py (Python rungs) implements it and
 cpp/common/ladder/protocol.h (C++ rungs) mirrors it; tests/test_libtorch.py checks both against these constants."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from core.cell import Cell
 
 # The phases a child announces, in order (`@@phase NAME`); `census` follows `util` when --census-steps is above 0,
 # and `hot` follows `after` in the cell that measures the hot start. In TIMED_PHASES the parent reads no /proc and of
-# NVML only the clocks and the power (harness/sampler.py).
+# NVML only the clocks and the power (harness/run/sampler.py).
 PHASES = ("load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done")
 TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
 # The keys of a measured cell's result file (--result).
@@ -28,19 +28,19 @@ CENSUS_KEYS = frozenset({"steps", "source", "module_scopes"})
 # order, lr) and --states DIR in place of the timed phases; it announces these phases and writes these result keys
 # (`epochs`: each epoch's number, seconds and mean train loss), and DIR/epoch-E.safetensors after each epoch.
 TRAIN_PHASES = ("load", "build", "train", "done")
-WORKER = [sys.executable, "-m", "harness.worker"]  # the Python rungs' child program (run from the repository)
+WORKER = [sys.executable, "-m", "harness.child.worker"]  # the Python rungs' child program (run from the repository)
 TRAIN_RESULT_KEYS = frozenset({"cold", "build_stats", "epochs"})
 # What a child prints on stdout for the parent: which cell of a `--cells` list begins, which phase, what failed.
 CELL, PHASE, ERROR = "@@cell ", "@@phase ", "@@error "
 # A sustained cell's figures (Protocol.sustain_s) are its util pass's last seconds: throughput from the pass's
 # marks (the result's util.marks: seconds since the pass began and calls done, about every UTIL_MARK_S), clocks,
-# power and energy from NVML over the same seconds; energy needs seconds to be read right (harness/sampler.py).
+# power and energy from NVML over the same seconds; energy needs seconds to be read right (harness/run/sampler.py).
 SUSTAIN_WINDOW_S = 2.0
 UTIL_MARK_S = 0.25
 
 
 # The util pass by device: back-to-back calls whose board energy gives img/J. NVML's energy counter moves every few
-# tens of ms, so on the GPU the window is seconds long (harness/sampler.py energy states its error); the CPU has no
+# tens of ms, so on the GPU the window is seconds long (harness/run/sampler.py energy states its error); the CPU has no
 # energy counter.
 UTIL_S = {"cuda": 2.0, "cpu": 0.3}
 # The Protocol's fields the parent keeps to itself (the child sees their effect, not them).

@@ -1,5 +1,5 @@
 """The census pass of a Python rung's child (docs/protocol.md): a few warm calls under torch.profiler (Kineto; CUPTI
-on the GPU), each inside a CENSUS_STEP range and synchronised, written as a Chrome trace that harness/census.py reads.
+on the GPU), each inside a CENSUS_STEP range and synchronised, written as a Chrome trace that harness/run/census.py reads.
 It runs after every timed phase, so the profiler's cost lands in no timed figure."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from core.cell import Built
 from core.files import write_text_atomic
-from harness.contract import CENSUS_STEP
+from harness.child.contract import CENSUS_STEP
 
 
 

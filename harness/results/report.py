@@ -1,5 +1,5 @@
 """Reports from the records: the JSON document (the source of truth), markdown, CSV and the rich table, and the
-`report` command that re-renders them (harness/load.py reads the files, harness/derive.py the figures)."""
+`report` command that re-renders them (harness/results/load.py reads the files, harness/results/derive.py the figures)."""
 from __future__ import annotations
 
 import csv
@@ -14,14 +14,14 @@ from rich.text import Text
 
 from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
-from harness.columns import csv_rows, how_to_read, rows
-from harness.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, PEAK_SPREAD, clock_lines,
+from harness.results.columns import csv_rows, how_to_read, rows
+from harness.results.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, PEAK_SPREAD, clock_lines,
                             eager_baseline, fastest_lines, speedup, speedups)
-from harness.load import BadInput, load_records
-from harness.plots import write_plots
-from harness.record import CONTENDED_MARK, contended, contended_line, document, ranked
-from harness.status import NOT_RUN, Status
-from harness.tables import markdown_table, drop_empty_columns
+from harness.results.load import BadInput, load_records
+from harness.results.plots import write_plots
+from harness.results.tables import markdown_table, drop_empty_columns
+from harness.run.record import CONTENDED_MARK, contended, contended_line, document, ranked
+from harness.run.status import NOT_RUN, Status
 
 
 PIVOT_STATUS = {Status.SKIPPED: "-", Status.UNAVAILABLE: "n/a", Status.TIMEOUT: "timeout",
@@ -147,7 +147,7 @@ def markdown(doc: dict, plots: list[tuple[str, str]] = ()) -> str:
 
 
 def to_csv(doc: dict) -> str:
-    """Machine-readable: one row per record, numbers unformatted (harness/columns.py: the columns and their
+    """Machine-readable: one row per record, numbers unformatted (harness/results/columns.py: the columns and their
     values), the speed-ups with whether they divide two runs' host-bound draws or two different GPUs."""
     buf = io.StringIO()
     csv.writer(buf).writerows(csv_rows(doc["results"]))

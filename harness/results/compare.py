@@ -22,11 +22,11 @@ from rich.text import Text
 from core.cell import Cell, layout_name
 from core.files import write_text_atomic
 from core.stats import median
-from harness import record
-from harness.load import BadInput, load_records
-from harness.record import bound, ranked
-from harness.status import FAILED, Status
-from harness.tables import markdown_table
+from harness.results.load import BadInput, load_records
+from harness.results.tables import markdown_table
+from harness.run import record
+from harness.run.record import bound, ranked
+from harness.run.status import FAILED, Status
 from tiers import identity
 
 

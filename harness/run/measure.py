@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from core.cell import Cell
-from harness.context import Context
-from harness.record import base_record, recipe_references
-from harness.rundir import ReferenceFailed
-from harness.status import Status
-from harness.watch import ChildRun
+from harness.run.context import Context
+from harness.run.record import base_record, recipe_references
+from harness.run.rundir import ReferenceFailed
+from harness.run.status import Status
+from harness.run.watch import ChildRun
 from tiers import all_tiers
 
 

@@ -18,10 +18,10 @@ from core.cell import Cell
 from core.parity import NEARER_THAN_ANOTHER_INPUT
 from core.files import write_text_atomic
 from core.paths import REPO
-from harness.context import Context
-from harness.contract import WORKER, contract_argv
-from harness.record import recipe_references
-from harness.rundir import ReferenceFailed, cell_dir
+from harness.child.contract import WORKER, contract_argv
+from harness.run.context import Context
+from harness.run.record import recipe_references
+from harness.run.rundir import ReferenceFailed, cell_dir
 from tiers import all_tiers
 from tiers.base import ExternalTier
 
@@ -75,7 +75,7 @@ class PrepareStage:
                 pass  # prepared again, and its failure recorded, when the cell runs
 
     def warm(self, cells: list[Cell]) -> None:
-        """The same child as the measured one (harness.worker), asked to stop after each cell's first result."""
+        """The same child as the measured one (harness.child.worker), asked to stop after each cell's first result."""
         ctx, tier = self.ctx, self.tiers[cells[0].tier]
         store = ctx.store(cells[0])
         listing = cell_dir(ctx.run, cells[0]) / "warm.json"

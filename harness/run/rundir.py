@@ -18,9 +18,9 @@ from core import proc as procs
 from core.cell import Cell
 from core.files import disk_free, write_atomic
 from core.paths import REPO
-from harness.failures import failure_status
-from harness.refusal import Refusal
-from harness.status import KEPT, Status
+from harness.run.failures import failure_status
+from harness.run.refusal import Refusal
+from harness.run.status import KEPT, Status
 from tiers import identity
 
 
@@ -126,7 +126,7 @@ class RunDir:
             raise ReferenceFailed(*self._failed_refs[key])
         p, job = self._reference_job(*key)
         if not p.exists():
-            proc = procs.run([sys.executable, "-m", "harness.reference", *job], cwd=REPO, env=procs.child_env(),
+            proc = procs.run([sys.executable, "-m", "harness.child.reference", *job], cwd=REPO, env=procs.child_env(),
                              capture_output=True, text=True)
             if proc.returncode != 0:
                 status, reason = failure_status(proc.returncode, None, proc.stderr[-3000:], disk=self.path)
@@ -148,7 +148,7 @@ class RunDir:
             with tempfile.NamedTemporaryFile("w", dir=self.path / "refs", suffix=".jobs.json") as listing:
                 listing.write(json.dumps(jobs))
                 listing.flush()
-                procs.run([sys.executable, "-m", "harness.reference", "jobs", listing.name], cwd=REPO,
+                procs.run([sys.executable, "-m", "harness.child.reference", "jobs", listing.name], cwd=REPO,
                           env=procs.child_env(), capture_output=True, text=True)  # what failed is retried alone
         failed = None
         for key in keys:
@@ -161,7 +161,7 @@ class RunDir:
 
     def _reference_job(self, batch: int, res: int, task: str, seed: int,
                        recipe: tuple[str, str, str] | None) -> tuple[Path, list[str]]:
-        """Where a reference is kept, and harness.reference's arguments that make it."""
+        """Where a reference is kept, and harness.child.reference's arguments that make it."""
         mark = "_".join(("", *recipe)) if recipe else ""
         p = self.path / "refs" / f"{self.model}_{task}_b{batch}_r{res}{_seeded(seed)}{mark}_{self.device}.safetensors"
         p.parent.mkdir(exist_ok=True)
@@ -178,7 +178,7 @@ class RunDir:
         peak_file = self.path / (f"peak-{uuid}.json" if uuid else "peak.json")
         if uuid and peak_file.exists():
             return json.loads(peak_file.read_text())["tflops"]
-        proc = procs.run([sys.executable, "-m", "harness.reference", "peak", str(peak_file)], cwd=REPO,
+        proc = procs.run([sys.executable, "-m", "harness.child.reference", "peak", str(peak_file)], cwd=REPO,
                          env=procs.child_env(**({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})), capture_output=True,
                          text=True)
         if proc.returncode != 0:

@@ -1,5 +1,5 @@
 """One child process over cells of one rung (the Python worker or the rung's own program, alike), watched from its
-start to the record of each cell it ended: its markers (harness/contract.py), NVML beside it, the contention
+start to the record of each cell it ended: its markers (harness/child/contract.py), NVML beside it, the contention
 window of each cell's timed phases, and its timeout, crash or Ctrl-C."""
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from core.cell import Cell, Unavailable
 from core.env import cpu_text, utc_now, where
 from core.files import write_text_atomic
 from core.paths import REPO
-from harness.contention import Contention
-from harness.context import Context
-from harness.contract import CELL, ERROR, PHASE, WORKER, contract_argv
-from harness.failures import cgroup_oom_kills, failure_status
-from harness.record import base_record, finish_record, stage_reference
-from harness.rundir import cell_dir, dir_bytes
-from harness.sampler import Sampler, device_memory_used
-from harness.status import Status
+from harness.child.contract import CELL, ERROR, PHASE, WORKER, contract_argv
+from harness.run.contention import Contention
+from harness.run.context import Context
+from harness.run.failures import cgroup_oom_kills, failure_status
+from harness.run.record import base_record, finish_record, stage_reference
+from harness.run.rundir import cell_dir, dir_bytes
+from harness.run.sampler import Sampler, device_memory_used
+from harness.run.status import Status
 from tiers import all_tiers
 from tiers.base import ExternalTier, PythonTier
 
@@ -136,7 +136,7 @@ class ChildRun:
         protocol = self.ctx.protocol
         if len(jobs) == 1:
             return contract_argv(program, jobs[0].cell, jobs[0].files, protocol, jobs[0].extra)
-        # one process measures the cells in turn (harness/worker.py and cpp/common/ladder/protocol.h `--cells`)
+        # one process measures the cells in turn (harness/child/worker.py and cpp/common/ladder/protocol.h `--cells`)
         listing = cell_dir(self.ctx.run, self.cells[0]) / "cells.json"
         write_text_atomic(listing, json.dumps([contract_argv([], j.cell, j.files, protocol, j.extra) for j in jobs],
                                       ensure_ascii=False))

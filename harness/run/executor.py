@@ -3,7 +3,7 @@ one child process per rung (or per cell under --isolation cell), each record han
 which writes it into the one run directory.
 
 - `local`: this host. With several GPUs, one rung's process per GPU at a time, each pinned to its GPU with
-  CUDA_VISIBLE_DEVICES (and to the cores of its NUMA node, harness/watch.py); otherwise one process at a time.
+  CUDA_VISIBLE_DEVICES (and to the cores of its NUMA node, harness/run/watch.py); otherwise one process at a time.
 - `ray`: each unit a Ray task that reserves one GPU (`num_gpus=1`, so that no two cells share a GPU) in a worker
   process retired after the task (`max_calls=1`: a cold start stays cold); a task whose worker or node is lost runs
   again once (`max_retries=1`), so a lost worker costs time, not cells. On a CPU run the units go one at a time:
@@ -21,13 +21,13 @@ from typing import Callable
 from core.cell import Cell
 from core.env import visible_gpus, where
 from core.paths import REPO
-from harness.contention import ancestor_named
-from harness.context import Context
-from harness.measure import measure_cells
-from harness.record import base_record
-from harness.refusal import Refusal
-from harness.rundir import RunDir
-from harness.status import Status
+from harness.run.contention import ancestor_named
+from harness.run.context import Context
+from harness.run.measure import measure_cells
+from harness.run.record import base_record
+from harness.run.refusal import Refusal
+from harness.run.rundir import RunDir
+from harness.run.status import Status
 
 EXECUTORS = ("local", "ray")
 # The environment a Ray worker needs from the driver's: this checkout importable, the extra rungs and caches the
