@@ -1,6 +1,6 @@
 """How far a cell's median moves between runs of the same code on one machine: the figures behind compare's noise
-floors (harness/results/compare.py NOISE_FLOOR, docs/notes/compare-noise-floor.md). Give two or more ladder.json files of
-the same code and protocol; every pair of them is compared cell by cell:
+floors (harness/results/compare.py NOISE_FLOOR, docs/notes/compare-noise-floor.md). Give two or more ladder.json
+files of the same code and protocol; every pair of them is compared cell by cell:
 
     python3 bench/noise_floor.py runs/a/ladder.json runs/b/ladder.json runs/c/ladder.json
 

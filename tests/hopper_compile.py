@@ -8,6 +8,7 @@ Run without TRITON_INTERPRET (it replaces the compiler)."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -35,8 +36,15 @@ def compile_configs(kernel, pointers: dict[str, str], constants: dict[str, objec
     return lines
 
 
+def compile_once(kernel, types: dict[str, str], constants: dict[str, object]) -> list[str]:
+    """compile_configs for a kernel that is not autotuned: its one launch configuration (four warps)."""
+    return compile_configs(SimpleNamespace(fn=kernel, configs=[triton.Config({}, num_warps=4, num_stages=3)]), types,
+                           constants)
+
+
 def main() -> int:
-    from kernels.triton.batch_norm import BLOCK_C, _grad_sums_kernel, _moments_kernel
+    from kernels.triton.batch_norm import (BLOCK_C, BLOCK_P, _channel_affine_kernel, _grad_finalize_kernel,
+                                           _grad_sums_kernel, _moments_finalize_kernel, _moments_kernel)
     from kernels.triton.conv_backward import conv2d_weight_grad_kernel
 
     lines = []
@@ -48,6 +56,15 @@ def main() -> int:
     pointers = {**bf16, **{name: "*fp32" for name in sums}}
     lines += compile_configs(_moments_kernel, pointers, {"BLOCK_C": BLOCK_C})
     lines += compile_configs(_grad_sums_kernel, pointers, {"BLOCK_C": BLOCK_C, "RELU": True})
+    fp32 = {name: "*fp32" for name in _moments_finalize_kernel.arg_names + _grad_finalize_kernel.arg_names
+            if name.endswith("_ptr")}
+    lines += compile_once(_moments_finalize_kernel, {**fp32, "batches_ptr": "*i64", "eps": "fp32", "momentum": "fp32"},
+                          {"AFFINE": True, "RUNNING": True, "BLOCK_C": BLOCK_C})
+    lines += compile_once(_grad_finalize_kernel, fp32, {"BLOCK_C": BLOCK_C})
+    tiles = {name: "*bf16" for name in ("u_ptr", "v_ptr", "r_ptr", "gate_ptr", "out_ptr", "gated_ptr")}
+    lines += compile_once(_channel_affine_kernel, {**tiles, **{f"k{i}_ptr": "*fp32" for i in (1, 2, 3)}},
+                          {"HAS_V": True, "HAS_R": False, "GATE": True, "KEEP_GATED": True, "RELU": False,
+                           "BLOCK_P": BLOCK_P, "BLOCK_C": BLOCK_C})
     print("\n".join(lines))
     return 1 if any(line.startswith("FAILED") for line in lines) else 0
 

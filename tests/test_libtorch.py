@@ -110,7 +110,8 @@ def test_both_protocol_implementations_mean_the_same(programs, files):
     import sys
 
     results = {}
-    for tier, program in (("eager", [sys.executable, "-m", "harness.child.worker"]), ("libtorch", programs["libtorch"])):
+    python_child = [sys.executable, "-m", "harness.child.worker"]
+    for tier, program in (("eager", python_child), ("libtorch", programs["libtorch"])):
         proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert [line[8:] for line in proc.stdout.splitlines() if line.startswith("@@phase ")] == list(PHASES)
@@ -182,7 +183,8 @@ def test_host_rss_is_the_childs_own_peak(programs, files):
 
     ballast = bytearray(3 << 30)  # zero-filled, so resident
     parent_peak = peak_rss_bytes()
-    for tier, program in (("eager", [sys.executable, "-m", "harness.child.worker"]), ("libtorch", programs["libtorch"])):
+    python_child = [sys.executable, "-m", "harness.child.worker"]
+    for tier, program in (("eager", python_child), ("libtorch", programs["libtorch"])):
         proc, out = run_child(program, Cell(tier=tier, batch=2, res=64, device="cpu"), files)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         rss = json.loads((out / "result.json").read_text())["rss_peak_bytes"]

@@ -38,6 +38,9 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
         return t.float().permute(0, 2, 3, 1).contiguous()
 
     dw = conv2d_weight_grad(nhwc(x), nhwc(dy), k, k, stride, pad)
+    flat = torch.full((3 + dw.numel(),), float("nan"))  # the gradient written into its slice of a flat buffer
+    into = flat[3:].view(dw.shape)
+    assert conv2d_weight_grad(nhwc(x), nhwc(dy), k, k, stride, pad, out=into) is into and torch.equal(into, dw)
     dx = conv2d_input_grad(nhwc(dy), weight, stride, pad, (size, size), tune=False).permute(0, 3, 1, 2)
     for got, ref in ((dw, dw_ref), (dx, dx_ref)):
         assert got.shape == ref.shape
@@ -47,9 +50,10 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
 
 @pytest.mark.parametrize("n,size,channels", [(3, 5, 37), (2, 7, 64), (1, 2, 5), (3, 19, 5)])
 def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
-    """Forward (the batch's moments, biased, and the affine map) and backward (dx, dgamma, dbeta) against
-    F.batch_norm in training mode, in fp64, on channel counts off the tiles, a batch of 4 values per channel, and
-    many rows over few channels (cut into slices, the last one short)."""
+    """Forward (the batch's moments, biased, the affine map, and the running statistics' update) and backward (dx,
+    dgamma, dbeta, written into the tensors given) against F.batch_norm in training mode, in fp64, on channel
+    counts off the tiles, a batch of 4 values per channel, and many rows over few channels (cut into slices, the
+    last one short)."""
     from kernels.triton import batch_norm
 
     g = torch.Generator().manual_seed(0)
@@ -57,16 +61,23 @@ def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
     gamma, beta = torch.rand(channels, generator=g) + 0.5, torch.randn(channels, generator=g)
     dy = torch.randn(x.shape, generator=g)
     xd, gd, bd = (t.double().requires_grad_() for t in (x, gamma, beta))
-    ref = F.batch_norm(xd, None, None, gd, bd, training=True, eps=1e-5)
+    run_mean, run_var = torch.randn(channels, generator=g), torch.rand(channels, generator=g) + 0.5
+    ref_mean, ref_var = run_mean.double(), run_var.double()
+    ref = F.batch_norm(xd, ref_mean, ref_var, gd, bd, training=True, momentum=0.1, eps=1e-5)
     ref.backward(dy.double())
 
     def nhwc(t):
         return t.permute(0, 2, 3, 1).contiguous()
 
-    y, mean, invstd, _ = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5)
-    dx, dgamma, dbeta = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma)
+    batches = torch.tensor(4)
+    y, mean, invstd, _ = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5, running=(run_mean, run_var, batches),
+                                            momentum=0.1)
+    into = torch.full((2, channels), float("nan"))
+    dx, dgamma, dbeta = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma, dgamma=into[0], dbeta=into[1])
+    assert dgamma.data_ptr() == into[0].data_ptr() and dbeta.data_ptr() == into[1].data_ptr()
+    assert batches.item() == 5
     for got, want in ((y.permute(0, 3, 1, 2), ref), (dx.permute(0, 3, 1, 2), xd.grad), (dgamma, gd.grad),
-                      (dbeta, bd.grad)):
+                      (dbeta, bd.grad), (run_mean, ref_mean), (run_var, ref_var)):
         err = ((got.double() - want.detach()).norm() / want.detach().norm()).item()
         assert err < 1e-5, err
 
@@ -286,8 +297,8 @@ def test_two_training_steps_are_eager_steps():
 
 def test_every_training_kernels_configuration_compiles_for_hopper():
     """The autotuner's configurations of the weight gradient (by taps, and with the taps in the tile) and of the
-    batch norm's reductions, which the interpreter never compiles: each through Triton's compiler and ptxas for
-    sm90 (tests/hopper_compile.py)."""
+    batch norm's reductions, and its finalize and affine kernels, which the interpreter never compiles: each through
+    Triton's compiler and ptxas for sm90 (tests/hopper_compile.py)."""
     from core.paths import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -297,6 +308,8 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
     assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
     assert proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel") == len(
         REDUCTION_CONFIGS)
+    assert all(proc.stdout.count(f"ok {kernel}") == 1 for kernel in
+               ("_moments_finalize_kernel", "_grad_finalize_kernel", "_channel_affine_kernel"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

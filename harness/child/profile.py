@@ -1,6 +1,6 @@
 """The census pass of a Python rung's child (docs/protocol.md): a few warm calls under torch.profiler (Kineto; CUPTI
-on the GPU), each inside a CENSUS_STEP range and synchronised, written as a Chrome trace that harness/run/census.py reads.
-It runs after every timed phase, so the profiler's cost lands in no timed figure."""
+on the GPU), each inside a CENSUS_STEP range and synchronised, written as a Chrome trace that harness/run/census.py
+reads. It runs after every timed phase, so the profiler's cost lands in no timed figure."""
 from __future__ import annotations
 
 import contextlib

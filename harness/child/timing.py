@@ -1,6 +1,6 @@
-"""The timing primitives every timed call of the ladder shares: the child process of a Python rung (harness/child/worker.py),
-layerbench's per-layer timings and bench/'s independent loops. A call's device input, its stream and its clock;
-one timed call; the warm-up and latency passes that decide how many calls a figure rests on."""
+"""The timing primitives every timed call of the ladder shares: the child process of a Python rung
+(harness/child/worker.py), layerbench's per-layer timings and bench/'s independent loops. A call's device input, its
+stream and its clock; one timed call; the warm-up and latency passes that decide how many calls a figure rests on."""
 from __future__ import annotations
 
 import time

@@ -2,8 +2,8 @@
 rung measured in turn (the runner's `--isolation rung`).
 
 cpp/common/ladder/protocol.h is the same protocol for the C++ rungs; keep the two in step.
-Run as `python -m harness.child.worker --tier NAME --batch ... --result R.json ...` or `python -m harness.child.worker --cells
-FILE` (the runner builds both)."""
+Run as `python -m harness.child.worker --tier NAME --batch ... --result R.json ...` or
+`python -m harness.child.worker --cells FILE` (the runner builds both)."""
 from __future__ import annotations
 
 import gc

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from core.cell import layout_name
-from harness.results.derive import (CROSS_GPU, CROSS_RUN, SLOW_MARK, best_framework, eager_baseline, fmt, mixed, mixes_gpus,
-                            mixes_host_draws, speedup)
+from harness.results.derive import (CROSS_GPU, CROSS_RUN, SLOW_MARK, best_framework, eager_baseline, fmt, mixed,
+                                    mixes_gpus, mixes_host_draws, speedup)
 from harness.run.record import CONTENDED_MARK, bound, contended, ranked
 from harness.run.status import Status
 

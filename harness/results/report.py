@@ -1,5 +1,6 @@
 """Reports from the records: the JSON document (the source of truth), markdown, CSV and the rich table, and the
-`report` command that re-renders them (harness/results/load.py reads the files, harness/results/derive.py the figures)."""
+`report` command that re-renders them (harness/results/load.py reads the files, harness/results/derive.py the
+figures)."""
 from __future__ import annotations
 
 import csv
@@ -16,7 +17,7 @@ from core.cell import DTYPES, layout_name
 from core.files import write_text_atomic
 from harness.results.columns import csv_rows, how_to_read, rows
 from harness.results.derive import (BASELINE_DTYPE, CROSS_GPU, CROSS_RUN, MIXED_DTYPE, PEAK_SPREAD, clock_lines,
-                            eager_baseline, fastest_lines, speedup, speedups)
+                                    eager_baseline, fastest_lines, speedup, speedups)
 from harness.results.load import BadInput, load_records
 from harness.results.plots import write_plots
 from harness.results.tables import markdown_table, drop_empty_columns

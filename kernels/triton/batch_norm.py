@@ -6,19 +6,21 @@ Triton (issue 60). Per channel c, over the P = N*H*W values of the batch:
   backward: dbeta = sum(dy); dgamma = sum(dy * xhat);
             dx = gamma * invstd * (dy - dbeta / P - xhat * dgamma / P)
 
-Both directions are a per-channel reduction (a pass over the batch) and then a per-channel affine map of one or two
-tensors (another pass): `forward`'s y = a*x + b (with a block's residual added and its ReLU where asked),
-`backward`'s dx = k1*dy + k2*x + k3 with the coefficients folded on the host (dy through the ReLU first, its mask
-read from the forward's output). In NHWC a channel is a column, so a program owns a block of columns and walks the
-rows; the moments in one pass, each row block's mean and centred squares merged into the running ones (Chan et al.),
-so that a large mean does not cancel the variance.
+Both directions are a per-channel reduction (a pass over the batch), a finalize over its slices' partials (one small
+launch per direction: the statistics, the running ones' update, the affine map's coefficients and the parameters'
+gradients, where torch's reductions and arithmetic took about thirty launches) and then a per-channel affine map of
+one or two tensors (another pass): `forward`'s y = a*x + b (with a block's residual added and its ReLU where asked),
+`backward`'s dx = k1*dy + k2*x + k3 (dy through the ReLU first, its mask read from the forward's output). In NHWC a
+channel is a column, so a program owns a block of columns and walks the rows; the moments in one pass, each row
+block's mean and centred squares merged into the running ones (Chan et al.), so that a large mean does not cancel the
+variance.
 
 The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py), their row block tuned;
 nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
-import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -96,11 +98,72 @@ def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, su
 
 
 @triton.jit
-def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, k1_ptr, k2_ptr, k3_ptr, P, C, HAS_V: tl.constexpr,
-                           HAS_R: tl.constexpr, GATE: tl.constexpr, RELU: tl.constexpr, BLOCK_P: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, var_ptr, scale_ptr,
+                             shift_ptr, run_mean_ptr, run_var_ptr, batches_ptr, P, C, SLICES, ROWS, eps, momentum,
+                             AFFINE: tl.constexpr, RUNNING: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The slices' means and M2 merged, in slice order (the same bits every call), into the batch's mean and biased
+    variance per column; with AFFINE its invstd and the forward's map y = scale * x + shift; with RUNNING PyTorch's
+    running statistics (an exponential average of the mean and of the unbiased variance) and its batch count."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for s in range(0, SLICES):
+        rows = tl.minimum(ROWS, P - s * ROWS).to(tl.float32)
+        mean += rows * tl.load(means_ptr + s * C + offs_c, mask=c_ok, other=0.0)
+    mean = mean / P
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for s in range(0, SLICES):
+        rows = tl.minimum(ROWS, P - s * ROWS).to(tl.float32)
+        spread = tl.load(means_ptr + s * C + offs_c, mask=c_ok, other=0.0) - mean
+        m2 += tl.load(m2_ptr + s * C + offs_c, mask=c_ok, other=0.0) + rows * spread * spread
+    var = m2 / P
+    tl.store(mean_ptr + offs_c, mean, mask=c_ok)
+    tl.store(var_ptr + offs_c, var, mask=c_ok)
+    if AFFINE:
+        invstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(invstd_ptr + offs_c, invstd, mask=c_ok)
+        scale = tl.load(gamma_ptr + offs_c, mask=c_ok, other=0.0) * invstd
+        tl.store(scale_ptr + offs_c, scale, mask=c_ok)
+        tl.store(shift_ptr + offs_c, tl.load(beta_ptr + offs_c, mask=c_ok, other=0.0) - mean * scale, mask=c_ok)
+    if RUNNING:
+        run_mean = tl.load(run_mean_ptr + offs_c, mask=c_ok, other=0.0)
+        tl.store(run_mean_ptr + offs_c, run_mean + momentum * (mean - run_mean), mask=c_ok)
+        run_var = tl.load(run_var_ptr + offs_c, mask=c_ok, other=0.0)
+        unbiased = var * P / tl.maximum(P - 1, 1)
+        tl.store(run_var_ptr + offs_c, run_var + momentum * (unbiased - run_var), mask=c_ok)
+        if tl.program_id(0) == 0:
+            tl.store(batches_ptr, tl.load(batches_ptr) + 1)
+
+
+@triton.jit
+def _grad_finalize_kernel(sum_dy_ptr, sum_dy_xhat_ptr, gamma_ptr, mean_ptr, invstd_ptr, dgamma_ptr, dbeta_ptr, k1_ptr,
+                          k2_ptr, k3_ptr, P, C, SLICES, BLOCK_C: tl.constexpr):
+    """The slices' partial sums added in slice order into dbeta = sum(dy) and dgamma = sum(dy * xhat), and the
+    coefficients of dx = k1 * dy + k2 * x + k3 (the module docstring's dx with xhat = (x - mean) * invstd)."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    dbeta = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dgamma = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for s in range(0, SLICES):
+        dbeta += tl.load(sum_dy_ptr + s * C + offs_c, mask=c_ok, other=0.0)
+        dgamma += tl.load(sum_dy_xhat_ptr + s * C + offs_c, mask=c_ok, other=0.0)
+    mean = tl.load(mean_ptr + offs_c, mask=c_ok, other=0.0)
+    invstd = tl.load(invstd_ptr + offs_c, mask=c_ok, other=0.0)
+    k1 = tl.load(gamma_ptr + offs_c, mask=c_ok, other=0.0) * invstd
+    tl.store(dgamma_ptr + offs_c, dgamma, mask=c_ok)
+    tl.store(dbeta_ptr + offs_c, dbeta, mask=c_ok)
+    tl.store(k1_ptr + offs_c, k1, mask=c_ok)
+    tl.store(k2_ptr + offs_c, -k1 * invstd * dgamma / P, mask=c_ok)
+    tl.store(k3_ptr + offs_c, k1 * (mean * invstd * dgamma - dbeta) / P, mask=c_ok)
+
+
+@triton.jit
+def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, gated_ptr, k1_ptr, k2_ptr, k3_ptr, P, C,
+                           HAS_V: tl.constexpr, HAS_R: tl.constexpr, GATE: tl.constexpr, KEEP_GATED: tl.constexpr,
+                           RELU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """out = k1[c] * u + k2[c] * v + r + k3[c], in fp32, stored in out's type: v (scaled per channel) and r (a
-    residual, added as is) where given; u zeroed where `gate` is not positive (GATE: a ReLU's backward); the sum
+    residual, added as is) where given; u zeroed where `gate` is not positive (GATE: a ReLU's backward), and that
+    gated u also stored to `gated` (KEEP_GATED: a block's residual gradient, without a pass of its own); the sum
     through a ReLU (RELU)."""
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -110,6 +173,8 @@ def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, k1_ptr, k2_pt
     u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
     if GATE:
         u = tl.where(tl.load(gate_ptr + at, mask=ok, other=0.0) > 0, u, 0.0)
+        if KEEP_GATED:
+            tl.store(gated_ptr + at, u.to(gated_ptr.dtype.element_ty), mask=ok)
     out = u * tl.load(k1_ptr + offs_c, mask=c_ok)[None, :]
     if HAS_V:
         out += tl.load(v_ptr + at, mask=ok, other=0.0).to(tl.float32) * tl.load(k2_ptr + offs_c, mask=c_ok)[None, :]
@@ -123,55 +188,58 @@ def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, k1_ptr, k2_pt
 
 def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor | None = None,
             k2: torch.Tensor | None = None, residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-            relu: bool = False) -> torch.Tensor:
+            relu: bool = False, gated: torch.Tensor | None = None) -> torch.Tensor:
+    """The affine map's output (u's type); `gated`, where given, receives u through the gate."""
     c = u.shape[-1]
     p = u.numel() // c
     out = torch.empty_like(u)
     grid = (triton.cdiv(p, BLOCK_P), triton.cdiv(c, BLOCK_C))
     _channel_affine_kernel[grid](u, u if v is None else v, u if residual is None else residual,
-                                 u if gate is None else gate, out, k1, k1 if k2 is None else k2, k3, p, c,
-                                 v is not None, residual is not None, gate is not None, relu, BLOCK_P, BLOCK_C)
+                                 u if gate is None else gate, out, u if gated is None else gated, k1,
+                                 k1 if k2 is None else k2, k3, p, c, v is not None, residual is not None,
+                                 gate is not None, gated is not None, relu, BLOCK_P, BLOCK_C)
     return out
 
 
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
-            residual: torch.Tensor | None = None, relu: bool = False, tune: bool = True):
+            residual: torch.Tensor | None = None, relu: bool = False, tune: bool = True,
+            running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1):
     """y = [relu](bn(x) [+ residual]) in x's type, the batch's mean and invstd (fp32, per channel) that backward
-    needs, and its (biased) variance: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. The caller updates the
-    running statistics from mean and var (unbiased there)."""
-    mean, var = _moments(x, tune)
-    invstd = torch.rsqrt(var + eps)
-    a = gamma * invstd
-    return _affine(x, a, beta - mean * a, residual=residual, relu=relu), mean, invstd, var
+    needs, and its (biased) variance: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. `running`: the module's
+    running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does."""
+    stats = _statistics(x, tune, gamma, beta, eps, running, momentum)
+    return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu), stats.mean, stats.invstd, stats.var
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
-             y: torch.Tensor | None = None, residual: bool = False, tune: bool = True):
+             y: torch.Tensor | None = None, residual: bool = False, tune: bool = True,
+             dgamma: torch.Tensor | None = None, dbeta: torch.Tensor | None = None):
     """dx (dy's type), dgamma and dbeta (fp32) of forward's output gradient `dy` (NHWC, x's shape); with `y`, the
     output of a forward with relu, the gradient goes through its ReLU first; with `residual`, also the residual's
-    gradient (dy through the ReLU), returned last."""
+    gradient (dy through the ReLU), returned last. `dgamma`, `dbeta`: where to write those gradients (views of a
+    flat gradient buffer), else new tensors."""
     c = x.shape[-1]
     p = x.numel() // c
     slices, rows = _slices(x, tune)
-    dbeta, dgamma = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+    sum_dy, sum_dy_xhat = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
     tuning.launch(_grad_sums_kernel, (triton.cdiv(c, BLOCK_C), slices),
-                  (dy, x, dy if y is None else y, mean, invstd, dbeta, dgamma, p, c, rows, y is not None, BLOCK_C),
-                  tune, UNTUNED)
-    dbeta, dgamma = dbeta.sum(0), dgamma.sum(0)  # the slices in a fixed order: the same bits every call
-    k1 = gamma * invstd
-    k2 = -k1 * invstd * dgamma / p
-    k3 = k1 * (mean * invstd * dgamma - dbeta) / p
-    dx = _affine(dy, k1, k3, x, k2, gate=y)
+                  (dy, x, dy if y is None else y, mean, invstd, sum_dy, sum_dy_xhat, p, c, rows, y is not None,
+                   BLOCK_C), tune, UNTUNED)
+    dgamma = _channels(c, x.device) if dgamma is None else dgamma
+    dbeta = _channels(c, x.device) if dbeta is None else dbeta
+    k1, k2, k3 = (_channels(c, x.device) for _ in range(3))
+    _grad_finalize_kernel[(triton.cdiv(c, BLOCK_C),)](sum_dy, sum_dy_xhat, gamma, mean, invstd, dgamma, dbeta, k1,
+                                                       k2, k3, p, c, slices, BLOCK_C)
+    gated = torch.empty_like(dy) if residual and y is not None else None  # the residual's gradient: dy past the ReLU
+    dx = _affine(dy, k1, k3, x, k2, gate=y, gated=gated)
     if not residual:
         return dx, dgamma, dbeta
-    ones, zeros = _identity(c, x.device)
-    return dx, dgamma, dbeta, (dy if y is None else _affine(dy, ones, zeros, gate=y))
+    return dx, dgamma, dbeta, (dy if y is None else gated)
 
 
 def channel_sum(x: torch.Tensor, tune: bool = True) -> torch.Tensor:
     """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
-    mean, _ = _moments(x, tune)
-    return mean * (x.numel() // x.shape[-1])
+    return _statistics(x, tune).mean * (x.numel() // x.shape[-1])
 
 
 def _slices(x: torch.Tensor, tune: bool) -> tuple[int, int]:
@@ -183,44 +251,36 @@ def _slices(x: torch.Tensor, tune: bool) -> tuple[int, int]:
     return row_slices(x.numel() // c, triton.cdiv(c, BLOCK_C), block, x.device)
 
 
-def _moments(x: torch.Tensor, tune: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-channel mean and biased variance (fp32) of NHWC `x`: each slice's from the kernel, then merged
-    (the pooled mean, and the slices' M2 plus their spread about it)."""
+class Statistics(NamedTuple):
+    """A batch's per-channel statistics (fp32) and, given gamma and beta, its invstd and the forward's affine map."""
+    mean: torch.Tensor
+    var: torch.Tensor  # biased, as the normalisation uses
+    invstd: torch.Tensor | None
+    scale: torch.Tensor | None
+    shift: torch.Tensor | None
+
+
+def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+                eps: float = 0.0, running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                momentum: float = 0.1) -> Statistics:
+    """The per-channel statistics of NHWC `x`: each slice's mean and M2 from the moments kernel, merged by the
+    finalize kernel, which also gives the affine map (with `gamma` and `beta`) and updates `running`."""
     c = x.shape[-1]
     p = x.numel() // c
     slices, rows = _slices(x, tune)
     means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
     tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
                   UNTUNED)
-    counts = _slice_rows(p, rows, slices, x.device)
-    mean = (counts * means).sum(0) / p
-    return mean, (m2.sum(0) + (counts * (means - mean) ** 2).sum(0)) / p
+    mean, var = _channels(c, x.device), _channels(c, x.device)
+    affine = gamma is not None
+    invstd, scale, shift = (_channels(c, x.device) for _ in range(3)) if affine else (None, None, None)
+    run_mean, run_var, batches = running or (mean, mean, mean)  # unread without RUNNING, as the rest without AFFINE
+    _moments_finalize_kernel[(triton.cdiv(c, BLOCK_C),)](
+        means, m2, gamma if affine else mean, beta if affine else mean, mean, invstd if affine else mean, var,
+        scale if affine else mean, shift if affine else mean, run_mean, run_var, batches, p, c, slices, rows, eps,
+        momentum, affine, running is not None, BLOCK_C)
+    return Statistics(mean, var, invstd, scale, shift)
 
 
-def _per_shape(make):
-    """`make`'s result kept per arguments (the last a device): the constants a step would otherwise rebuild in small
-    launches every call. Never kept from inside a CUDA graph's capture, where it would be filled only when the
-    graph replays."""
-    kept: dict[tuple, object] = {}
-
-    @functools.wraps(make)
-    def get(*args):
-        made = kept.get(args)
-        if made is None:
-            made = make(*args)
-            if not (args[-1].type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                kept[args] = made
-        return made
-    return get
-
-
-@_per_shape
-def _slice_rows(p: int, rows: int, slices: int, device: torch.device) -> torch.Tensor:
-    """The rows each slice of a reduction over `p` rows holds (the last may hold fewer), [slices, 1] fp32."""
-    return (p - rows * torch.arange(slices, device=device)).clamp(max=rows).float()[:, None]
-
-
-@_per_shape
-def _identity(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The affine map's per-channel identity (ones, zeros; fp32)."""
-    return (torch.ones(c, device=device, dtype=torch.float32), torch.zeros(c, device=device, dtype=torch.float32))
+def _channels(c: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(c, device=device, dtype=torch.float32)

@@ -96,9 +96,10 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT,
 
 
 def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stride: int, pad: int,
-                       precision: str = "ieee", tune: bool = True) -> torch.Tensor:
+                       precision: str = "ieee", tune: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """dW of a convolution, in torch's [COUT, CIN, KH, KW] layout and fp32: `x` its NHWC input, `dy` the NHWC
-    gradient of its output (both contiguous, one dtype). The slices are cut for 64 x 64 tiles, whichever tile the
+    gradient of its output (both contiguous, one dtype); written into `out` (a contiguous [COUT, CIN, KH, KW],
+    such as a view of a flat gradient buffer) where given. The slices are cut for 64 x 64 tiles, whichever tile the
     tuning picks: the grid's slice axis and the partials' buffer do not depend on the configuration."""
     n, h, w, cin = x.shape
     _, oh, ow, cout = dy.shape
@@ -116,7 +117,11 @@ def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stri
             taps_in_tile, precision)
     launch(conv2d_weight_grad_kernel, grid, args, tune, dict(BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_P=32,
                                                               num_warps=4, num_stages=3))
-    return dw.sum(0).permute(3, 2, 0, 1)  # the slices in a fixed order: the same bits every call
+    # the slices in a fixed order (the same bits every call), summed straight into the gradient's layout
+    if out is None:
+        return dw.sum(0).permute(3, 2, 0, 1)
+    torch.sum(dw, 0, out=out.permute(2, 3, 1, 0))
+    return out
 
 
 def _tile(channels: int) -> int:

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights,
-                                 _window_gemm, tf32_round)
+from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights, _window_gemm,
+                                 tf32_round)
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 

@@ -37,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import (SMEM_BYTES, PackedConv, _window_gemm, conv2d, fold_batch_norm, pack_conv,
-                                 tf32_round)
+from kernels.triton.conv import (SMEM_BYTES, PackedConv, _window_gemm, conv2d, fold_batch_norm, pack_conv, tf32_round)
 from kernels.triton.pool import max_pool2d
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch

@@ -38,10 +38,13 @@ class Saved:
 
 
 def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
-    """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs."""
+    """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs; the batch norm's
+    running statistics updated, as PyTorch's forward in training mode does."""
     c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
     y, mean, invstd, var = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
-                                              residual=residual, relu=relu, tune=tune)
+                                              residual=residual, relu=relu, tune=tune,
+                                              running=(bn.running_mean, bn.running_var, bn.num_batches_tracked),
+                                              momentum=bn.momentum)
     return Saved(conv, bn, relu, x, c, mean, invstd, var, y)
 
 
@@ -64,29 +67,34 @@ def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tens
     return h, saved + ([down] if down else [])
 
 
-def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_grad=True, add=None):
+def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_grad=True, add=None,
+                     into: dict | None = None):
     """Through one batch norm (and its ReLU) and convolution: fills `grads` by parameter, returns the gradient at
     the convolution's input, with `add` summed into it (None without `input_grad`; and the residual's, where
-    asked)."""
+    asked). `into`: where each parameter's gradient is written (a view of the step's flat buffer), if anywhere."""
     conv, bn = saved.conv, saved.bn
+    into = into or {}
     out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
-                              y=saved.out if saved.relu else None, residual=residual, tune=tune)
+                              y=saved.out if saved.relu else None, residual=residual, tune=tune,
+                              dgamma=into.get(bn.weight), dbeta=into.get(bn.bias))
     dc, grads[bn.weight], grads[bn.bias] = out[:3]
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]
-    grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad, tune=tune)
+    grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad, tune=tune,
+                                            out=into.get(conv.weight))
     dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune, add=add) \
         if input_grad else None
     return (dx, out[3]) if residual else dx
 
 
-def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True):
-    """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter."""
+def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True, into: dict | None = None):
+    """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter, written
+    into `into`'s tensors where it has one (conv_bn_backward)."""
     grads: dict = {}
     last = len(main_path(block)) - 1
-    d, d_shortcut = conv_bn_backward(dy, saved[last], tune, grads, residual=True)
+    d, d_shortcut = conv_bn_backward(dy, saved[last], tune, grads, residual=True, into=into)
     if block.downsample:  # first, so that conv1's data gradient can add it in its epilogue
-        d_shortcut = conv_bn_backward(d_shortcut, saved[last + 1], tune, grads)
+        d_shortcut = conv_bn_backward(d_shortcut, saved[last + 1], tune, grads, into=into)
     for i in reversed(range(last)):
-        d = conv_bn_backward(d, saved[i], tune, grads, add=d_shortcut if i == 0 else None)
+        d = conv_bn_backward(d, saved[i], tune, grads, add=d_shortcut if i == 0 else None, into=into)
     return d, grads

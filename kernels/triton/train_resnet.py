@@ -9,10 +9,11 @@ Memory plan (what lives across the step, counted in `memory()`):
   output: one tensor, counted once), the batch norm's input, its output (whose sign is the ReLU's mask) and its
   moments; the max-pool's positions (int8); the pooled features.
 
-Still done by torch around the kernels (each a copy or a few per-channel vectors, the next things to fuse):
-packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast, on the
-device: conv.pack_weights), the NHWC copy of an NCHW input, copying each gradient into its slice of the flat
-buffer, and the running statistics' update.
+Each gradient is written by its kernel into its slice of the flat buffer (copied there only where a gradient hook
+changed it), and the running statistics are updated by the batch norm's finalize kernel. Still done by torch around
+the kernels: packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast,
+on the device: conv.pack_weights), the NHWC copy of an NCHW input, the weight gradients' sum over their slices
+(one reduction each, into the flat buffer), and the classifier's bias gradient.
 """
 from __future__ import annotations
 
@@ -90,29 +91,29 @@ class TritonTrainStep:
         with self._range("triton_step_backward"):
             with scope(HEAD_PATH):
                 dlogits4 = dlogits.view(n, 1, 1, -1)
-                grads[m.fc.weight] = conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0,
-                                                        tune=tune).reshape(m.fc.weight.shape)
+                grads[m.fc.weight] = self.grad_of[m.fc.weight]
+                conv2d_weight_grad(features.view(n, 1, 1, c), dlogits4, 1, 1, 1, 0, tune=tune,
+                                   out=grads[m.fc.weight][:, :, None, None])
                 grads[m.fc.bias] = batch_norm.channel_sum(dlogits, tune)
                 dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1),
                                               tune=tune)
                 dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
             for (path, block), saved in zip(reversed(self.blocks), reversed(saved_blocks)):
                 with scope(path):
-                    dh, block_grads = block_backward(block, saved, dh, tune)
+                    dh, block_grads = block_backward(block, saved, dh, tune, into=self.grad_of)
                 grads.update(block_grads)
             with scope(STEM_PATH):
                 dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
-                conv_bn_backward(dstem, stem, tune, grads, input_grad=False)
+                conv_bn_backward(dstem, stem, tune, grads, input_grad=False, into=self.grad_of)
 
         with scope("optimizer"):
             for p, g in grads.items():
                 for hook in (p._backward_hooks or {}).values():  # its gradient hooks, as autograd runs them (the
                     changed = hook(g)                               # training mutants: core/mutations.py)
                     g = g if changed is None else changed
-                self.grad_of[p].copy_(g)
+                if g is not self.grad_of[p]:  # not written in place by its kernel, or a hook made a new one
+                    self.grad_of[p].copy_(g)
             sgd_step(self.weights, self.grads, self.momentum_buffer, self.lr, self.momentum, self.weight_decay)
-            for saved in every_bn:
-                _update_running(saved)
         self.steps += 1
         return loss
 
@@ -165,16 +166,6 @@ class TritonTrainStep:
         flat = self.weights.numel() * self.weights.element_size()
         return {"weights_bytes": flat, "gradient_bytes": flat, "optimizer_state_bytes": flat,
                 "saved_for_backward_bytes": self.saved_bytes}
-
-
-def _update_running(saved: Saved) -> None:
-    """PyTorch's running statistics: an exponential average of the batch's mean and unbiased variance."""
-    bn = saved.bn
-    count = saved.conv_out.numel() // saved.conv_out.shape[-1]
-    with torch.no_grad():
-        bn.running_mean.lerp_(saved.mean, bn.momentum)
-        bn.running_var.lerp_(saved.var * (count / max(count - 1, 1)), bn.momentum)
-        bn.num_batches_tracked += 1
 
 
 def _bytes(saved: list) -> int:
