@@ -17,9 +17,10 @@ first epoch (train loss 13) and never settled, so that two correct rungs ended t
 (docs/notes/train-to-accuracy.md).
 
 Two correct trainings that round differently drift apart while the network learns fast, and meet again once it
-has converged. So eager is also trained in the other layout (the same step, other kernels, other rounding): its
-distance from eager at each epoch is what rounding alone moves the curve by there, the band a rung's own distance
-from eager is read against."""
+has converged. So eager is also trained as its twins, the same step rounded differently: in the other layout (other
+kernels), and on the GPU with cuDNN's benchmark mode off (other convolution algorithms). At each epoch the farthest
+twin's distance from eager is what rounding alone moves the curve by there, the band a rung's own distance from
+eager is read against."""
 from __future__ import annotations
 
 import copy
@@ -55,7 +56,13 @@ from tiers.base import ExternalTier, Tier
 DIGITS_SPLIT_SEED = 0
 WARMUP_EPOCHS = 2
 AGREEMENT_POINTS = 1.5  # issue 28: a rung's curve within this many points of eager's at every epoch
-TWIN = "eager"  # the rung trained a second time in the other layout
+TWIN = "eager"  # the rung trained again as its twins (`twins`)
+
+
+def twins(device: str, channels_last: bool) -> list[tuple[bool, tuple[tuple[str, str], ...]]]:
+    """(layout, options) of each twin of TWIN: the other layout; on the GPU also cuDNN's benchmark mode off (on by
+    default: tiers/base.py CUDNN_BENCHMARK), which picks other convolution algorithms."""
+    return [(not channels_last, ())] + ([(channels_last, (("cudnn-benchmark", "off"),))] if device == "cuda" else [])
 
 
 def digits(res: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -223,15 +230,16 @@ def run(config: AccuracyConfig) -> None:
     gpu = device_slug(env) if device == "cuda" else None
     data_split = (x_train, y_train, x_test, y_test)
     channels_last = device == "cuda"
-    runs = [(name, channels_last) for name in config.tiers]
+    runs = [(name, channels_last, ()) for name in config.tiers]
     if TWIN in config.tiers:
-        runs.append((TWIN, not channels_last))
+        runs += [(TWIN, layout, options) for layout, options in twins(device, channels_last)]
     results, skipped, failed = [], {}, {}
-    for name, layout in runs:
+    for name, layout, options in runs:
         tier = all_tiers()[name]
         cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
-                    channels_last=layout, device=device, task="train")
-        label = name if layout == channels_last else f"{name} ({cell.layout})"
+                    channels_last=layout, device=device, task="train", options=options)
+        label = (f"{name} ({cell.layout})" if layout != channels_last else
+                 f"{name} ({', '.join(f'{k}={v}' for k, v in options)})" if options else name)
         reason = tier.availability(device) or tier.supports(cell)
         if reason:
             skipped[label] = reason
@@ -242,7 +250,7 @@ def run(config: AccuracyConfig) -> None:
         try:
             result = train_in_child(tier, initial, data_split, cell, order, rates, store,
                                     out / "programs" / f"{name}-{cell.layout}", show_epoch(console, label))
-            results.append({**result, "rung": label, "layout": cell.layout})
+            results.append({**result, "rung": label, "layout": cell.layout, "options": dict(options)})
         except Exception as e:  # a rung that fails costs its own curve, not the others'
             failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
             console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
@@ -262,17 +270,17 @@ def run(config: AccuracyConfig) -> None:
 
 def agreement(results: list[dict], reference: str) -> dict:
     """Per rung, its distance from `reference`'s curve in points at each epoch, the epochs beyond
-    AGREEMENT_POINTS, and of those the ones beyond the distance of the reference's own twin in the other layout at
-    that epoch (what rounding alone moved the curve by there); {} without the reference's curve."""
+    AGREEMENT_POINTS, and of those the ones beyond the band at that epoch: the farthest distance of the
+    reference's twins (what rounding alone moved the curve by there); {} without the reference's curve."""
     ref = next((r for r in results if r["rung"] == reference), None)
     if ref is None:
         return {}
-    twin = next((r for r in results if r["tier"] == reference and r is not ref), None)
+    twins = [r for r in results if r["tier"] == reference and r is not ref]
 
     def distance(r: dict) -> list[float]:
         return [round(100 * abs(a["test_accuracy"] - b["test_accuracy"]), 2) for a, b in zip(r["curve"], ref["curve"])]
 
-    band = distance(twin) if twin else None
+    band = [max(epoch) for epoch in zip(*map(distance, twins))] if twins else None
     out = {}
     for r in results:
         if r is ref:
@@ -280,9 +288,9 @@ def agreement(results: list[dict], reference: str) -> dict:
         points = distance(r)
         beyond = [e for e, d in enumerate(points, start=1) if d > AGREEMENT_POINTS]
         out[r["rung"]] = {
-            "twin": r is twin, "points": points, "max_points": max(points, default=0.0), "epochs": len(points),
+            "twin": r in twins, "points": points, "max_points": max(points, default=0.0), "epochs": len(points),
             "epochs_beyond": beyond,
-            "epochs_beyond_twin": None if band is None or r is twin else
+            "epochs_beyond_twin": None if band is None or r in twins else
             [e for e in beyond if points[e - 1] > band[e - 1]],
         }
     return out
@@ -316,8 +324,9 @@ def write(doc: dict, out: Path, console: Console) -> None:
                for r in results]
     if summary:
         lines += [f"Each rung against {TWIN}: the largest distance in points, the epochs farther than "
-                  f"{AGREEMENT_POINTS} points, and of those the ones farther than {TWIN} in the other layout was at "
-                  f"that epoch (the same step rounded differently; '-': no such twin).", "",
+                  f"{AGREEMENT_POINTS} points, and of those the ones farther than the farthest of {TWIN}'s twins was "
+                  f"at that epoch (the same step rounded differently: {TWIN} in the other layout, and on the GPU "
+                  f"with cuDNN's benchmark mode off; '-': no twin).", "",
                   *markdown_table(summary), ""]
     lines += [f"- {name}: skipped: {reason}" for name, reason in doc["skipped"].items()]
     lines += [f"- {name}: failed: {reason}" for name, reason in doc.get("failed", {}).items()]

@@ -293,8 +293,8 @@ def tflops_share(doc: dict, path: Path) -> Path | None:
 
 def accuracy_curves(doc: dict, path: Path) -> Path:
     """train-to-accuracy: test accuracy after each epoch, one line per rung; below, each rung's distance from
-    eager's curve in points, against the bar (doc's agreement_points) and the distance of eager's own twin in the other
-    layout (what rounding alone moves the curve by), shaded."""
+    eager's curve in points, against the bar (doc's agreement_points) and the band of eager's own twins (the
+    farthest at each epoch: what rounding alone moves the curve by), shaded."""
     plt = pyplot()
     agreement = doc.get("agreement") or {}
     fig, axes = plt.subplots(2 if agreement else 1, 1, figsize=(7, 7 if agreement else 4.2), sharex=True,
@@ -314,11 +314,11 @@ def accuracy_curves(doc: dict, path: Path) -> Path:
     ax.grid(True, alpha=0.3)
     if agreement:
         dist = axes[1][0]
-        twin = next((a for a in agreement.values() if a["twin"]), None)
-        if twin:
-            epochs = range(1, len(twin["points"]) + 1)
-            dist.fill_between(epochs, 0, twin["points"], color="grey", alpha=0.25,
-                              label="eager's twin in the other layout")
+        twins = [a["points"] for a in agreement.values() if a["twin"]]
+        if twins:
+            band = [max(epoch) for epoch in zip(*twins)]
+            dist.fill_between(range(1, len(band) + 1), 0, band, color="grey", alpha=0.25,
+                              label="eager's twins (rounding alone)")
         for i, r in enumerate(doc["rungs"]):
             a = agreement.get(r["rung"])
             if a and not a["twin"]:
