@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from core.cell import Cell
 from core.env import default_device, environment
 from core.files import write_text_atomic
 from harness.results.micro_tables import markdown, micro_table
@@ -26,6 +27,9 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, t
         raise Refusal(f"{tier_name} does not train: {tier.cannot_train}")
     if task == "train" and not tier.has_micro_train:
         raise Refusal(f"{tier_name}'s microbenchmark times its inference layers only (--task infer)")
+    if task == "train" and (reason := tier.supports(Cell(tier=tier_name, batch=batch, res=res, dtype=dtype,
+                                                         channels_last=channels_last, device="cuda", task=task))):
+        raise Refusal(f"{tier_name}'s training step: {reason}")
     if default_device() != "cuda":
         raise Refusal(f"{tier_name}'s microbenchmark times GPU kernels; no NVIDIA GPU here (NVML found none)")
     reason = tier.availability("cuda")

@@ -351,3 +351,25 @@ def test_the_captured_training_step_replays_the_steps_bits(dtype):
     assert all(torch.equal(plain[k], captured[k]) for k in plain), [k for k in plain
                                                                      if not torch.equal(plain[k], captured[k])]
 
+
+
+def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_shows(monkeypatch):
+    """`micro --tier triton --task train`'s rows (tiers/triton.py train_micro) under the interpreter, for a strided
+    3x3 and a 1x1 downsample at odd sizes: each of the five passes of a convolution with its batch norm (forward,
+    data and weight gradients, the batch norm's forward and backward) agrees with PyTorch's in fp32, and a pass made
+    wrong (the weight gradient doubled) shows in its own row's error."""
+    from core.layers import Layer
+    from kernels.triton import conv_backward
+    from tiers.triton import train_micro
+
+    layers = [Layer("layer2.0.conv2", (12, 8, 3, 3), 2, 1, (9, 9), "relu", 1),
+              Layer("layer2.0.downsample.0", (16, 8, 1, 1), 2, 0, (7, 7), "none", 1)]
+    rows = train_micro(layers, 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
+    assert [(r["layer"], r["pass"]) for r in rows] == [(layer.path, p) for layer in layers for p in
+                                                       ("forward", "dgrad", "wgrad", "bn forward", "bn backward")]
+    assert all(r["rel_err"] < 1e-5 for r in rows), [(r["layer"], r["pass"], r["rel_err"]) for r in rows]
+
+    right = conv_backward.conv2d_weight_grad
+    monkeypatch.setattr(conv_backward, "conv2d_weight_grad", lambda *a, **k: 2 * right(*a, **k))
+    rows = train_micro(layers[:1], 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
+    assert [r["pass"] for r in rows if r["rel_err"] > 0.5] == ["wgrad"]

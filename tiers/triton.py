@@ -129,6 +129,7 @@ class TritonTier(PythonTier):
     warm_in_prepare = True  # compiles the kernels of the tables' configurations; never autotunes there
     batch_change = True
     has_micro = True
+    has_micro_train = True
 
     def parity_recipe(self, cell: Cell) -> str | None:
         # a downsample is summed into its block's last convolution (fuse_shortcut), except in fp8
@@ -252,9 +253,12 @@ class TritonTier(PythonTier):
         the dtype's tolerance (LayerCase). In fp8 our kernel is the e4m3 one the fp8 cell runs (the stem stays
         bf16, as there); cuDNN and Inductor, which have no fp8 convolution here, run bf16, and so does
         `triton_bf16`, our bf16 kernel of the same layer: what e4m3 gains or loses on each layer. Without
-        `baselines`, our kernel alone."""
+        `baselines`, our kernel alone. train: each pass of the training step per distinct layer (`train_micro`)."""
         from triton.testing import do_bench  # Triton: only where it runs
 
+        if task == "train":
+            return train_micro(distinct_layers("resnet50", res), batch, dtype, "cuda", baselines,
+                               partial(do_bench, return_mode="median"))
         rows = []
         for layer in distinct_layers("resnet50", res):
             case = LayerCase(layer, batch, dtype, channels_last, "cuda")
@@ -277,6 +281,73 @@ class TritonTier(PythonTier):
                 row[f"{name}_tflops"] = round(flop / ms / 1e9, 1)
             rows.append(row)
         return rows
+
+
+def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, bench: Callable) -> list[dict]:
+    """Each pass of the training step, per distinct convolution with its batch norm (the step's schedule,
+    kernels/triton/train_block.py): the convolution's forward, data gradient and weight gradient, the batch norm's
+    forward and backward. Ours (NHWC, tuned) beside cuDNN's through PyTorch (the same call Inductor makes for a
+    convolution: aten.convolution and its backward) and, for the batch norm, PyTorch's kernel and Inductor's
+    (torch.compile of the same op). `bench(fn)` -> ms. Each of our passes' relative error against PyTorch's in the
+    row (fp32 norms), so that a fast wrong kernel shows."""
+    from kernels.triton import batch_norm  # Triton: only where it runs
+    from kernels.triton.conv import conv2d, pack_weights
+    from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+
+    tdt, g = torch_dtype(dtype), torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for layer in layers:
+        cout, cin, k, _ = layer.weight
+        (h, w), (oh, ow) = layer.size, layer.output_size()
+        stride, pad = layer.stride, layer.pad
+        x = torch.randn(batch, h, w, cin, device=device, generator=g).to(tdt)
+        dy = torch.randn(batch, oh, ow, cout, device=device, generator=g).to(tdt)
+        weight = torch.randn(cout, cin, k, k, device=device, generator=g) / (cin * k * k) ** 0.5
+        gamma = torch.rand(cout, device=device, generator=g) + 0.5
+        beta = torch.randn(cout, device=device, generator=g)
+        x_t, dy_t = x.permute(0, 3, 1, 2), dy.permute(0, 3, 1, 2)  # NCHW views of the channels-last tensors
+        w_t = weight.to(tdt).contiguous(memory_format=torch.channels_last)
+
+        def torch_conv_grad(mask):
+            return torch.ops.aten.convolution_backward(dy_t, x_t, w_t, None, [stride] * 2, [pad] * 2, [1, 1], False,
+                                                       [0, 0], 1, mask)
+
+        c = conv2d(x, pack_weights(weight, stride, pad, dtype=tdt), relu=False)
+        c_t = c.permute(0, 3, 1, 2)
+        _, mean, invstd, _ = batch_norm.forward(c, gamma, beta)
+        passes = {  # name: (ours, PyTorch's, what ours returns against what PyTorch's does, flop)
+            "forward": (lambda: conv2d(x, pack_weights(weight, stride, pad, dtype=tdt), relu=False),
+                        lambda: F.conv2d(x_t, w_t, None, stride, pad), lambda o, t: (o.permute(0, 3, 1, 2), t)),
+            "dgrad": (lambda: conv2d_input_grad(dy, weight, stride, pad, (h, w)),
+                      lambda: torch_conv_grad([True, False, False])[0], lambda o, t: (o.permute(0, 3, 1, 2), t)),
+            "wgrad": (lambda: conv2d_weight_grad(x, dy, k, k, stride, pad),
+                      lambda: torch_conv_grad([False, True, False])[1], lambda o, t: (o, t)),
+            "bn forward": (lambda: batch_norm.forward(c, gamma, beta)[0],
+                           lambda: F.batch_norm(c_t, None, None, gamma, beta, training=True),
+                           lambda o, t: (o.permute(0, 3, 1, 2), t)),
+            "bn backward": (lambda: batch_norm.backward(dy, c, mean, invstd, gamma)[0],
+                            lambda: torch.ops.aten.native_batch_norm_backward(
+                                dy_t, c_t, gamma, None, None, mean, invstd, True, 1e-5, [True, True, True])[0],
+                            lambda o, t: (o.permute(0, 3, 1, 2), t)),
+        }
+        for name, (ours, theirs, pair) in passes.items():
+            got, want = pair(ours(), theirs())
+            row = {"layer": layer.path, "pass": name, "shape": layer.shape, "count": layer.count, "batch": batch,
+                   "dtype": dtype, "rel_err": float((got.float() - want.float()).norm() / want.float().norm())}
+            timed = [("triton", ours)]
+            if baselines:
+                timed.append(("cudnn" if not name.startswith("bn") else "torch", theirs))
+                if name.startswith("bn"):
+                    torch._dynamo.reset()
+                    timed.append(("inductor", torch.compile(theirs)))
+            for who, fn in timed:
+                fn()  # autotune / compile outside the timing
+                row[f"{who}_ms"] = round(bench(fn), 4)
+                if not name.startswith("bn"):
+                    row[f"{who}_tflops"] = round(layer.flops(batch) / row[f"{who}_ms"] / 1e9, 1) \
+                        if row[f"{who}_ms"] else None
+            rows.append(row)
+    return rows
 
 
 class LayerCase:

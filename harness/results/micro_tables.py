@@ -9,10 +9,11 @@ from harness.results.tables import columns, markdown_table
 
 
 def shown_columns(rows: list[dict]) -> list[str]:
-    """What the terminal and the markdown show, which reads at 100 columns: each layer's name (and pass), its engine
-    and its timings. The JSON keeps every column."""
+    """What the terminal and the markdown show, which reads at 100 columns: each layer's name (and pass), its engine,
+    its timings and, where the rows have it, its error against PyTorch's. The JSON keeps every column."""
     cols = columns(rows)
-    return cols[:1] + [c for c in cols if c in ("pass", "engine", "fused") or c.endswith(("_ms", "tflops"))]
+    return cols[:1] + [c for c in cols if c in ("pass", "engine", "fused", "rel_err")
+                       or c.endswith(("_ms", "tflops"))]
 
 
 def micro_table(title: str, rows: list[dict]) -> Table:
@@ -29,7 +30,7 @@ def micro_table(title: str, rows: list[dict]) -> Table:
         if v is None:
             return ""
         if isinstance(v, float):
-            return f"{v:.1f}" if c == "tflops" else f"{v:.3f}"
+            return f"{v:.1e}" if c == "rel_err" else f"{v:.1f}" if c.endswith("tflops") else f"{v:.3f}"
         return str(v)
 
     for r in rows:
