@@ -172,7 +172,7 @@ def _bytes(saved: list) -> int:
     """The distinct tensors' bytes (a convolution's input is the output saved before it)."""
     tensors = {}
     for item in saved:
-        for t in ((item.inp, item.conv_out, item.mean, item.invstd, item.var, item.out)
+        for t in ((item.inp, item.conv_out, item.mean, item.invstd, item.out)
                   if isinstance(item, Saved) else (item,)):
             tensors[t.data_ptr()] = t.numel() * t.element_size()
     return sum(tensors.values())
