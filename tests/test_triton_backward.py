@@ -70,7 +70,7 @@ def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
         return t.permute(0, 2, 3, 1).contiguous()
 
     batches = torch.tensor(4)
-    y, mean, invstd, _ = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5, running=(run_mean, run_var, batches),
+    y, mean, invstd = batch_norm.forward(nhwc(x), gamma, beta, eps=1e-5, running=(run_mean, run_var, batches),
                                             momentum=0.1)
     into = torch.full((2, channels), float("nan"))
     dx, dgamma, dbeta = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma, dgamma=into[0], dbeta=into[1])
@@ -159,7 +159,7 @@ def test_a_blocks_end_bn_add_relu_is_autograds_both_ways():
     def nchw(t):
         return t.permute(0, 3, 1, 2)
 
-    y, mean, invstd, _ = batch_norm.forward(nhwc(x), gamma, beta, residual=nhwc(residual), relu=True)
+    y, mean, invstd = batch_norm.forward(nhwc(x), gamma, beta, residual=nhwc(residual), relu=True)
     dx, dgamma, dbeta, dres = batch_norm.backward(nhwc(dy), nhwc(x), mean, invstd, gamma, y=y, residual=True)
     assert (y >= 0).all() and (y == 0).any()  # the ReLU cut something
     for got, want in ((nchw(y), ref), (nchw(dx), xd.grad), (dgamma, gd.grad), (dbeta, bd.grad), (nchw(dres), rd.grad)):

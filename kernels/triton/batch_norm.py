@@ -98,11 +98,11 @@ def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, su
 
 
 @triton.jit
-def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, var_ptr, scale_ptr,
-                             shift_ptr, run_mean_ptr, run_var_ptr, batches_ptr, P, C, SLICES, ROWS, eps, momentum,
+def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr,
+                             run_mean_ptr, run_var_ptr, batches_ptr, P, C, SLICES, ROWS, eps, momentum,
                              AFFINE: tl.constexpr, RUNNING: tl.constexpr, BLOCK_C: tl.constexpr):
     """The slices' means and M2 merged, in slice order (the same bits every call), into the batch's mean and biased
-    variance per column; with AFFINE its invstd and the forward's map y = scale * x + shift; with RUNNING PyTorch's
+    variance per column (the mean stored); with AFFINE its invstd and the forward's map y = scale * x + shift; with RUNNING PyTorch's
     running statistics (an exponential average of the mean and of the unbiased variance) and its batch count."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
@@ -118,7 +118,6 @@ def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, i
         m2 += tl.load(m2_ptr + s * C + offs_c, mask=c_ok, other=0.0) + rows * spread * spread
     var = m2 / P
     tl.store(mean_ptr + offs_c, mean, mask=c_ok)
-    tl.store(var_ptr + offs_c, var, mask=c_ok)
     if AFFINE:
         invstd = 1.0 / tl.sqrt(var + eps)
         tl.store(invstd_ptr + offs_c, invstd, mask=c_ok)
@@ -204,11 +203,11 @@ def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
             residual: torch.Tensor | None = None, relu: bool = False, tune: bool = True,
             running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1):
-    """y = [relu](bn(x) [+ residual]) in x's type, the batch's mean and invstd (fp32, per channel) that backward
-    needs, and its (biased) variance: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. `running`: the module's
+    """y = [relu](bn(x) [+ residual]) in x's type, and the batch's mean and invstd (fp32, per channel) that backward
+    needs: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. `running`: the module's
     running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does."""
     stats = _statistics(x, tune, gamma, beta, eps, running, momentum)
-    return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu), stats.mean, stats.invstd, stats.var
+    return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu), stats.mean, stats.invstd
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
@@ -252,9 +251,8 @@ def _slices(x: torch.Tensor, tune: bool) -> tuple[int, int]:
 
 
 class Statistics(NamedTuple):
-    """A batch's per-channel statistics (fp32) and, given gamma and beta, its invstd and the forward's affine map."""
+    """A batch's per-channel mean (fp32) and, given gamma and beta, its invstd and the forward's affine map."""
     mean: torch.Tensor
-    var: torch.Tensor  # biased, as the normalisation uses
     invstd: torch.Tensor | None
     scale: torch.Tensor | None
     shift: torch.Tensor | None
@@ -271,15 +269,15 @@ def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, 
     means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
     tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
                   UNTUNED)
-    mean, var = _channels(c, x.device), _channels(c, x.device)
+    mean = _channels(c, x.device)
     affine = gamma is not None
     invstd, scale, shift = (_channels(c, x.device) for _ in range(3)) if affine else (None, None, None)
     run_mean, run_var, batches = running or (mean, mean, mean)  # unread without RUNNING, as the rest without AFFINE
     _moments_finalize_kernel[(triton.cdiv(c, BLOCK_C),)](
-        means, m2, gamma if affine else mean, beta if affine else mean, mean, invstd if affine else mean, var,
+        means, m2, gamma if affine else mean, beta if affine else mean, mean, invstd if affine else mean,
         scale if affine else mean, shift if affine else mean, run_mean, run_var, batches, p, c, slices, rows, eps,
         momentum, affine, running is not None, BLOCK_C)
-    return Statistics(mean, var, invstd, scale, shift)
+    return Statistics(mean, invstd, scale, shift)
 
 
 def _channels(c: int, device: torch.device) -> torch.Tensor:

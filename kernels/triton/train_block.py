@@ -40,10 +40,10 @@ def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
     """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs; the batch norm's
     running statistics updated, as PyTorch's forward in training mode does."""
     c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
-    y, mean, invstd, _ = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
-                                              residual=residual, relu=relu, tune=tune,
-                                              running=(bn.running_mean, bn.running_var, bn.num_batches_tracked),
-                                              momentum=bn.momentum)
+    y, mean, invstd = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
+                                         residual=residual, relu=relu, tune=tune,
+                                         running=(bn.running_mean, bn.running_var, bn.num_batches_tracked),
+                                         momentum=bn.momentum)
     return Saved(conv, bn, relu, x, c, mean, invstd, y)
 
 
