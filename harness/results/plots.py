@@ -64,12 +64,12 @@ def save(fig, path: Path) -> Path:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
     if handles:
-        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 5), fontsize=8,
-                   frameon=False)
-        fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // 5), 1, 1))
+        ncol = max(1, min(len(handles), 5, int(fig.get_figwidth() / 2.3)))  # an entry takes about 2.3 inches
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // ncol), 1, 1))
     else:
         fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # a long label widens the image rather than being cut
     pyplot().close(fig)
     return path
 
