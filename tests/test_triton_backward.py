@@ -357,7 +357,8 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     """`micro --tier triton --task train`'s rows (tiers/triton.py train_micro) under the interpreter, for a strided
     3x3 and a 1x1 downsample at odd sizes: each of the five passes of a convolution with its batch norm (forward,
     data and weight gradients, the batch norm's forward and backward) agrees with PyTorch's in fp32, and a pass made
-    wrong (the weight gradient doubled) shows in its own row's error."""
+    wrong (the weight gradient doubled) shows in its own row's error. The stem has no data-gradient row (the step
+    computes none)."""
     from core.layers import Layer
     from kernels.triton import conv_backward
     from tiers.triton import train_micro
@@ -368,6 +369,9 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     assert [(r["layer"], r["pass"]) for r in rows] == [(layer.path, p) for layer in layers for p in
                                                        ("forward", "dgrad", "wgrad", "bn forward", "bn backward")]
     assert all(r["rel_err"] < 1e-5 for r in rows), [(r["layer"], r["pass"], r["rel_err"]) for r in rows]
+    stem = train_micro([Layer("conv1", (8, 3, 7, 7), 2, 3, (11, 11), "relu", 1)], 2, "fp32", "cpu", baselines=False,
+                       bench=lambda fn: 0.0)
+    assert [r["pass"] for r in stem] == ["forward", "wgrad", "bn forward", "bn backward"]  # no image gradient
 
     right = conv_backward.conv2d_weight_grad
     monkeypatch.setattr(conv_backward, "conv2d_weight_grad", lambda *a, **k: 2 * right(*a, **k))
