@@ -79,10 +79,12 @@ class Store:
     """Where a rung keeps what outlives its process, given to every rung the same way (a Python rung's build, a
     C++ rung's `--cache-dir` and `--tunings`): `cache`, the rung's directory under the run's cache (a fresh, empty
     one per cell under --isolation cell; None outside a ladder); `tunings`, the tuning file shipped for this GPU
-    model (None under --retune or where none ships)."""
+    model (None under --retune or where none ships); `calibration`, a file of images (safetensors, `x`) an fp8
+    build calibrates its scales on (train-to-accuracy hands its training images; None: core/recipes.py's input)."""
 
     cache: Path | None = None
     tunings: Path | None = None
+    calibration: Path | None = None
 
     def library_env(self) -> dict[str, str]:
         """The variables by which Inductor and Triton find their caches: under the rung's cache directory, so that

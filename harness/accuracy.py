@@ -20,7 +20,13 @@ Two correct trainings that round differently drift apart while the network learn
 has converged. So eager is also trained as its twins, the same step rounded differently: in the other layout (other
 kernels), and on the GPU with cuDNN's benchmark mode off (other convolution algorithms). At each epoch the farthest
 twin's distance from eager is what rounding alone moves the curve by there, the band a rung's own distance from
-eager is read against."""
+eager is read against.
+
+`--infer RUNG:DTYPE,...` then evaluates the network eager trained (its last epoch's weights) on the test set with
+each of those inference cells, in the worker as any cell (--eval-data), beside eager in strict fp32: each cell's
+top-1 accuracy and the share of images whose top-1 it gives as eager fp32 does (issue 58: what fp8 keeps of a
+trained network's answers). An fp8 cell calibrates its scales on training images, never on the test set; shapes
+missing from the tuning tables run untuned (accuracy, not speed, is judged)."""
 from __future__ import annotations
 
 import copy
@@ -38,14 +44,12 @@ from safetensors.torch import load_file, save_file
 from core import proc as procs
 from core.cell import Cell, Store
 from core.env import default_device, device_slug, environment
-from core.files import write_text_atomic
 from core.model import write_weights, zero_init_residual
 from core.paths import REPO
 from core.placement import set_math_mode
 from core.train import learning_rate
-from harness.child.contract import ERROR, TRAIN_RESULT_KEYS, WORKER, Protocol, contract_argv
-from harness.results.plots import accuracy_curves
-from harness.results.tables import markdown_table
+from harness.child.contract import ERROR, EVAL_RESULT_KEYS, TRAIN_RESULT_KEYS, WORKER, Protocol, contract_argv
+from harness.results.accuracy_report import AGREEMENT_POINTS, TWIN, agreement, plural, write
 from harness.run.context import shipped_tunings
 from harness.run.failures import failure_status
 from harness.run.plan import command_line
@@ -55,8 +59,8 @@ from tiers.base import ExternalTier, Tier
 
 DIGITS_SPLIT_SEED = 0
 WARMUP_EPOCHS = 2
-AGREEMENT_POINTS = 1.5  # issue 28: a rung's curve within this many points of eager's at every epoch
-TWIN = "eager"  # the rung trained again as its twins (`twins`)
+REFERENCE_CELL = ("eager", "fp32")  # --infer's reference: every cell's top-1 is compared with its top-1
+CALIBRATION_IMAGES = 512  # the training images an fp8 cell of --infer calibrates on
 
 
 def twins(device: str, channels_last: bool) -> list[tuple[bool, tuple[tuple[str, str], ...]]]:
@@ -121,10 +125,6 @@ def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Te
     return correct / len(y)
 
 
-def plural(n: float, word: str) -> str:
-    return f"{n:.3g} {word}{'' if n == 1 else 's'}"
-
-
 def learning_rates(peak: float, epochs: int, steps: int, warmup_epochs: int = WARMUP_EPOCHS) -> torch.Tensor:
     """[epochs, steps]: each step's rate, rising linearly to `peak` over the first warmup_epochs (at most half the
     run), then falling to zero along a cosine (Goyal et al.'s warm-up, Loshchilov and Hutter's decay)."""
@@ -144,7 +144,25 @@ def batch_order(images: int, batch: int, epochs: int, seed: int) -> torch.Tensor
 
 
 class ChildFailed(Exception):
-    """A rung's training process ended without its result: the reason it said, or how it ended."""
+    """A rung's process ended without its result: the reason it said, or how it ended."""
+
+
+def run_child(tier: Tier, cell: Cell, files: dict[str, Path], extra: dict[str, str], workdir: Path,
+              keys: frozenset[str], **env: str) -> dict:
+    """One cell's child on data (the rung's program, or for a Python rung the ladder's worker): its result file,
+    which must hold `keys`; ChildFailed with the reason it said, or how it ended."""
+    program = tier.command(cell) if isinstance(tier, ExternalTier) else WORKER
+    proc = procs.run(contract_argv(program, cell, files, Protocol(), extra),
+                     cwd=workdir if isinstance(tier, ExternalTier) else REPO, env=procs.child_env(**env),
+                     capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = [line[len(ERROR):] for line in proc.stdout.splitlines() if line.startswith(ERROR)]
+        raise ChildFailed(said[-1] if said else failure_status(proc.returncode, None, proc.stderr[-3000:],
+                                                               disk=workdir)[1])
+    result = json.loads(files["result"].read_text())
+    if set(result) != keys:
+        raise RuntimeError(f"{cell.tier} wrote {sorted(result)}, not the contract's {sorted(keys)}")
+    return result
 
 
 def train_in_child(tier: Tier, initial: torch.nn.Module, data: tuple, cell: Cell, order: torch.Tensor,
@@ -163,19 +181,9 @@ def train_in_child(tier: Tier, initial: torch.nn.Module, data: tuple, cell: Cell
     save_file({"x": x_train.float().contiguous(), "y": y_train.float(), "order": order.float(), "lr": rates.float()},
               str(workdir / "train.safetensors"))
     t = time.perf_counter()
-    program = tier.command(cell) if isinstance(tier, ExternalTier) else WORKER
-    argv = contract_argv(program, cell, files, Protocol(), {
+    result = run_child(tier, cell, files, {
         "train-data": str(workdir / "train.safetensors"), "states": str(states), "lr": repr(rates[0, 0].item()),
-        "cache-dir": str(store.cache), "tunings": str(store.tunings or "")})
-    proc = procs.run(argv, cwd=workdir if isinstance(tier, ExternalTier) else REPO, env=procs.child_env(),
-                     capture_output=True, text=True)
-    if proc.returncode != 0:
-        said = [line[len(ERROR):] for line in proc.stdout.splitlines() if line.startswith(ERROR)]
-        raise ChildFailed(said[-1] if said else failure_status(proc.returncode, None, proc.stderr[-3000:],
-                                                               disk=workdir)[1])
-    result = json.loads(files["result"].read_text())
-    if set(result) != TRAIN_RESULT_KEYS:
-        raise RuntimeError(f"{cell.tier} wrote {sorted(result)}, not the contract's {sorted(TRAIN_RESULT_KEYS)}")
+        "cache-dir": str(store.cache), "tunings": str(store.tunings or "")}, workdir, TRAIN_RESULT_KEYS)
     evaluator = copy.deepcopy(initial)
     curve = []
     for e in result["epochs"]:
@@ -186,6 +194,71 @@ def train_in_child(tier: Tier, initial: torch.nn.Module, data: tuple, cell: Cell
     return {"tier": cell.tier, "dtype": cell.dtype, "build_s": result["cold"]["build_s"],
             "program_s": time.perf_counter() - t, "curve": curve,
             "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
+
+
+def infer_in_child(tier: Tier, network: torch.nn.Module, x_test: torch.Tensor, x_calibration: torch.Tensor,
+                   cell: Cell, store: Store, workdir: Path) -> tuple[torch.Tensor, dict]:
+    """A rung's forward of `network` over every test image in a process of its own (--eval-data); its logits, and
+    its build and evaluation times."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    files = {"weights": workdir / "weights.safetensors", "input": workdir / "input.safetensors",
+             "output": workdir / "output.safetensors", "result": workdir / "result.json"}
+    write_weights(network, files["weights"])
+    save_file({"input": x_test[:cell.batch].float().contiguous()}, str(files["input"]))
+    save_file({"x": x_test.float().contiguous()}, str(workdir / "test.safetensors"))
+    save_file({"x": x_calibration.float().contiguous()}, str(workdir / "calibration.safetensors"))
+    t = time.perf_counter()
+    result = run_child(tier, cell, files, {
+        "eval-data": str(workdir / "test.safetensors"), "calibration": str(workdir / "calibration.safetensors"),
+        "cache-dir": str(store.cache), "tunings": str(store.tunings or "")}, workdir, EVAL_RESULT_KEYS,
+        LADDER_NO_AUTOTUNE="1")
+    return load_file(str(files["output"]))["output"], {"build_s": result["cold"]["build_s"],
+                                                       "program_s": time.perf_counter() - t}
+
+
+def infer_trained(config: "AccuracyConfig", initial: torch.nn.Module, state: Path, data: tuple, device: str,
+                  gpu: str | None, out: Path, console: Console) -> dict:
+    """--infer: the network of `state` (eager's last epoch) evaluated on the test set by each inference cell and
+    by REFERENCE_CELL first; each cell's top-1 accuracy and its top-1 agreement with the reference's."""
+    x_train, _, x_test, y_test = data
+    network = copy.deepcopy(initial)
+    network.load_state_dict({k.split(".", 1)[1]: v for k, v in load_file(str(state)).items()}, strict=False)
+    cells, skipped, failed = [], {}, {}
+    reference = None
+    for name, dtype in [REFERENCE_CELL, *(c for c in config.infer if c != REFERENCE_CELL)]:
+        label = f"{name} {dtype}"
+        tier = all_tiers()[name]
+        cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
+                    channels_last=device == "cuda", device=device)
+        reason = tier.availability(device) or tier.supports(cell) or (
+            f"{name} is a program of its own; evaluation on data runs the Python rungs' worker"
+            if isinstance(tier, ExternalTier) else None)
+        if reason:
+            skipped[label] = reason
+            console.print(f"{label}: skipped: {reason}", markup=False, style="yellow")
+            continue
+        store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
+        store.cache.mkdir(parents=True, exist_ok=True)
+        try:
+            logits, times = infer_in_child(tier, network, x_test, x_train[:CALIBRATION_IMAGES], cell, store,
+                                           out / "programs" / f"infer-{name}-{dtype}")
+        except Exception as e:  # a cell that fails costs its own row
+            failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
+            console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
+            continue
+        top1 = logits.argmax(1)
+        reference = top1 if reference is None else reference
+        cells.append({"rung": name, "dtype": dtype, "test_accuracy": (top1 == y_test).float().mean().item(),
+                      "agreement": (top1 == reference).float().mean().item(), **times})
+        console.print(f"  {label:14s} test accuracy {100 * cells[-1]['test_accuracy']:5.1f}%, top-1 as "
+                      f"{' '.join(REFERENCE_CELL)}'s on {100 * cells[-1]['agreement']:5.1f}% of the images",
+                      markup=False)
+    if reference is not None and (cells[0]["rung"], cells[0]["dtype"]) != REFERENCE_CELL:
+        for c in cells:  # no reference to agree with: an agreement with another cell would read as the reference's
+            c["agreement"] = None
+    return {"network": f"eager's after epoch {config.epochs}", "reference": " ".join(REFERENCE_CELL),
+            "calibration": f"the first {min(CALIBRATION_IMAGES, len(x_train))} training images",
+            "batch": config.batch, "cells": cells, "skipped": skipped, "failed": failed}
 
 
 @dataclass
@@ -202,6 +275,7 @@ class AccuracyConfig:
     device: str | None = None
     seed: int = 0
     out: Path | None = None
+    infer: list[tuple[str, str]] = field(default_factory=list)  # (rung, dtype): the trained network evaluated by each
     argv: list[str] = field(default_factory=list)  # the command line that made it (recorded with the results)
 
 
@@ -219,6 +293,8 @@ def run(config: AccuracyConfig) -> None:
         raise Refusal(str(e)) from None
     if config.batch > len(y_train):
         raise Refusal(f"--batch {config.batch} exceeds the {len(y_train)} training images")
+    if config.infer and TWIN not in config.tiers:
+        raise Refusal(f"--infer evaluates the network {TWIN} trains: add {TWIN} to --tiers")
     console = Console()
     torch.manual_seed(config.seed)
     initial = zero_init_residual(torchvision.models.get_model(config.model, weights=None,
@@ -233,7 +309,7 @@ def run(config: AccuracyConfig) -> None:
     runs = [(name, channels_last, ()) for name in config.tiers]
     if TWIN in config.tiers:
         runs += [(TWIN, layout, options) for layout, options in twins(device, channels_last)]
-    results, skipped, failed = [], {}, {}
+    results, skipped, failed, states = [], {}, {}, {}
     for name, layout, options in runs:
         tier = all_tiers()[name]
         cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
@@ -247,13 +323,19 @@ def run(config: AccuracyConfig) -> None:
             continue
         store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
         store.cache.mkdir(parents=True, exist_ok=True)
+        workdir = out / "programs" / "-".join([name, cell.layout, *(f"{k}={v}" for k, v in options)])
         try:
-            result = train_in_child(tier, initial, data_split, cell, order, rates, store,
-                                    out / "programs" / f"{name}-{cell.layout}", show_epoch(console, label))
+            result = train_in_child(tier, initial, data_split, cell, order, rates, store, workdir,
+                                    show_epoch(console, label))
             results.append({**result, "rung": label, "layout": cell.layout, "options": dict(options)})
+            states[label] = workdir / "states" / f"epoch-{config.epochs}.safetensors"
         except Exception as e:  # a rung that fails costs its own curve, not the others'
             failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
             console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
+    inference = None
+    if config.infer:
+        inference = (infer_trained(config, initial, states[TWIN], data_split, device, gpu, out, console)
+                     if TWIN in states else {"skipped_all": f"{TWIN} trained no network to evaluate"})
     warm = (int(rates.argmax()) + 1) / rates.shape[1]  # the epochs the schedule rose over (at most half the run)
     doc = {"model": config.model, "device": device, "dtype": dtype, "epochs": config.epochs, "batch": config.batch,
            "res": config.res, "seed": config.seed, "data": data, "environment": env,
@@ -264,36 +346,8 @@ def run(config: AccuracyConfig) -> None:
                      f"the eager model in eval mode with the rung's weights",
            "learning_rates": rates.tolist(), "command": command_line(config.argv), "rungs": results,
            "agreement": agreement(results, TWIN), "agreement_points": AGREEMENT_POINTS, "skipped": skipped,
-           "failed": failed}
+           "failed": failed, "inference": inference}
     write(doc, out, console)
-
-
-def agreement(results: list[dict], reference: str) -> dict:
-    """Per rung, its distance from `reference`'s curve in points at each epoch, the epochs beyond
-    AGREEMENT_POINTS, and of those the ones beyond the band at that epoch: the farthest distance of the
-    reference's twins (what rounding alone moved the curve by there); {} without the reference's curve."""
-    ref = next((r for r in results if r["rung"] == reference), None)
-    if ref is None:
-        return {}
-    twins = [r for r in results if r["tier"] == reference and r is not ref]
-
-    def distance(r: dict) -> list[float]:
-        return [round(100 * abs(a["test_accuracy"] - b["test_accuracy"]), 2) for a, b in zip(r["curve"], ref["curve"])]
-
-    band = [max(epoch) for epoch in zip(*map(distance, twins))] if twins else None
-    out = {}
-    for r in results:
-        if r is ref:
-            continue
-        points = distance(r)
-        beyond = [e for e, d in enumerate(points, start=1) if d > AGREEMENT_POINTS]
-        out[r["rung"]] = {
-            "twin": r in twins, "points": points, "max_points": max(points, default=0.0), "epochs": len(points),
-            "epochs_beyond": beyond,
-            "epochs_beyond_twin": None if band is None or r in twins else
-            [e for e in beyond if points[e - 1] > band[e - 1]],
-        }
-    return out
 
 
 def show_epoch(console: Console, label: str):
@@ -302,52 +356,3 @@ def show_epoch(console: Console, label: str):
                                       f"{100 * e['test_accuracy']:5.1f}%, train loss {e['train_loss']:.3f}, "
                                       f"{e['epoch_s']:.1f} s", markup=False)
 
-
-def write(doc: dict, out: Path, console: Console) -> None:
-    """accuracy.json, accuracy.md (test accuracy per epoch, a row per epoch and a column per rung, then each rung's
-    agreement with eager) and the plot; one line per rung."""
-    results, data = doc["rungs"], doc["data"]
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "accuracy.json", json.dumps(doc, indent=1))
-    plot = accuracy_curves(doc, out / "plots" / "accuracy.png") if results else None
-    table = [{"epoch": str(e + 1), **{r["rung"]: f"{100 * r['curve'][e]['test_accuracy']:.1f}"
-                                      for r in results if e < len(r["curve"])}}
-             for e in range(max((len(r["curve"]) for r in results), default=0))]
-    lines = [f"# Train to accuracy: {doc['model']} on {data['dataset']}", "",
-             f"{data['train_images']} training and {data['test_images']} test images, {data['classes']} classes; "
-             f"{doc['epochs']} epochs at batch {doc['batch']}, res {doc['res']}, {doc['dtype']}, on {doc['device']}, "
-             f"seed {doc['seed']}. Recipe: {doc['recipe']}. Test accuracy (top-1, %) after each epoch:", "",
-             *markdown_table(table), ""]
-    summary = [{"rung": r["rung"], "final %": f"{100 * r['final_test_accuracy']:.1f}",
-                **agreement_columns(doc["agreement"].get(r["rung"])),
-                "train s": f"{sum(c['epoch_s'] for c in r['curve']):.1f}", "build s": f"{r['build_s']:.1f}"}
-               for r in results]
-    if summary:
-        lines += [f"Each rung against {TWIN}: the largest distance in points, the epochs farther than "
-                  f"{AGREEMENT_POINTS} points, and of those the ones farther than the farthest of {TWIN}'s twins was "
-                  f"at that epoch (the same step rounded differently: {TWIN} in the other layout, and on the GPU "
-                  f"with cuDNN's benchmark mode off; '-': no twin).", "",
-                  *markdown_table(summary), ""]
-    lines += [f"- {name}: skipped: {reason}" for name, reason in doc["skipped"].items()]
-    lines += [f"- {name}: failed: {reason}" for name, reason in doc.get("failed", {}).items()]
-    if plot:
-        lines += ["", "![test accuracy per epoch](plots/accuracy.png)", ""]
-    write_text_atomic(out / "accuracy.md", "\n".join(lines))
-    for r in results:
-        console.print(f"{r['rung']}: {100 * r['final_test_accuracy']:.1f}% test accuracy after "
-                      f"{plural(doc['epochs'], 'epoch')}", markup=False)
-    console.print(f"JSON: {out / 'accuracy.json'}  markdown: {out / 'accuracy.md'}", markup=False)
-
-
-def agreement_columns(a: dict | None) -> dict[str, str]:
-    """The summary table's columns for one rung's agreement with eager (empty for eager itself)."""
-    if a is None:
-        return {"max pts": "", f"> {AGREEMENT_POINTS} pts": "", "> twin": ""}
-
-    def epochs(es: list[int] | None) -> str:  # how many, and the first six of them
-        if not es:
-            return "-" if es is None else "0"
-        return f"{len(es)} ({', '.join(map(str, es[:6]))}{', ...' if len(es) > 6 else ''})"
-
-    return {"max pts": f"{a['max_points']:.1f}", f"> {AGREEMENT_POINTS} pts": epochs(a["epochs_beyond"]),
-            "> twin": epochs(a["epochs_beyond_twin"])}

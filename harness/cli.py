@@ -81,6 +81,17 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _rung_dtype(tier_names: list[str]):
+    """RUNG:DTYPE, an inference cell of train-to-accuracy's --infer."""
+    def parse(text: str) -> tuple[str, str]:
+        tier, _, dtype = text.partition(":")
+        if tier not in tier_names or dtype not in DTYPES:
+            raise argparse.ArgumentTypeError(f"{text!r} is not RUNG:DTYPE (rungs: {', '.join(tier_names)}; dtypes: "
+                                             f"{', '.join(DTYPES)})")
+        return tier, dtype
+    return parse
+
+
 def _rung_option(text: str) -> tuple[str, str, str]:
     """TIER:KEY=VALUE or TIER:KEY=V1,V2 (one cell per value), checked against the options the rung declares
     (tiers/base.py Tier.options)."""
@@ -206,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     acc.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda where a GPU is visible")
     acc.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     acc.add_argument("--out", type=Path, default=None, help="default runs/accuracy-<model>-<device>")
+    acc.add_argument("--infer", type=_list(_rung_dtype(tier_names)), default=[], metavar="RUNG:DTYPE,...",
+                     help="then evaluate the network eager trained on the test set with these inference cells "
+                     "(e.g. triton:fp8,triton:bf16,triton:fp32), beside eager fp32: top-1 accuracy and agreement")
 
     cmp = sub.add_parser("compare", help="B against A, cell by cell, with a bootstrap CI of the median's ratio "
                          "(several runs a side: their spread in the interval; one: each cell's noise floor); exit "

@@ -91,6 +91,9 @@ def test_a_rung_that_fails_to_import_is_listed_unavailable():
     (["ladder", "--min-time", "inf"], "inf must be a finite number >= 0"),
     (["ladder", "--precision", "2"], "2 must be a finite number > 0 and <= 1"),
     (["ladder", "--res", "224x160"], "HxW is not supported"),
+    (["train-to-accuracy", "--infer", "triton:fp9"], "'triton:fp9' is not RUNG:DTYPE (rungs: eager,"),
+    (["train-to-accuracy", "--device", "cpu", "--tiers", "torchscript", "--infer", "triton:fp32"],
+     "--infer evaluates the network eager trains: add eager to --tiers"),
 ])
 @pytest.mark.quick
 def test_bad_numbers_get_one_line(capsys, args, message):

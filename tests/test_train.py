@@ -200,6 +200,55 @@ def test_agreement_reads_each_rung_against_eager_and_the_band_of_its_twins():
     assert twins("cuda", True) == [(False, ()), (True, (("cudnn-benchmark", "off"),))]
 
 
+def tiny_image_folder(root, per_class: dict[str, int], size: int = 8) -> None:
+    """An ImageFolder tree of two classes, dark and bright squares with noise, `per_class` images each by split."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in per_class.items():
+        for label, level in (("dark", 60), ("bright", 190)):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(level + rng.normal(0, 30, (size, size, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(root / split / label / f"{i}.png")
+
+
+def test_the_trained_network_is_evaluated_by_each_inference_cell(tmp_path):
+    """train-to-accuracy --infer (issue 58): the network eager trained, evaluated on the test set in the worker by
+    eager fp32 (the reference) and by triton fp32 under the interpreter, while the cells that cannot run here (fp8
+    and cuDNN need the GPU) are skipped with their reasons. Strict fp32 Triton gives eager fp32's top-1 on every
+    image; each cell's accuracy is its own top-1 against the labels."""
+    tiny_image_folder(tmp_path / "data", {"train": 8, "test": 2})
+    doc = train_to_accuracy(tmp_path / "run", "--device", "cpu", "--tiers", "eager", "--epochs", "1", "--batch", "4",
+                            "--res", "16", "--data", str(tmp_path / "data"),
+                            "--infer", "triton:fp32,triton:fp8,cudnn:bf16")
+    inference = doc["inference"]
+    assert [(c["rung"], c["dtype"]) for c in inference["cells"]] == [("eager", "fp32"), ("triton", "fp32")], inference
+    assert [c["agreement"] for c in inference["cells"]] == [1.0, 1.0], inference
+    assert all(c["test_accuracy"] * 4 == round(c["test_accuracy"] * 4) for c in inference["cells"])  # 4 images
+    assert set(inference["skipped"]) == {"triton fp8", "cudnn bf16"} and not inference["failed"], inference
+    md = (tmp_path / "run" / "accuracy.md").read_text()
+    assert "## The trained network in inference" in md and "cudnn bf16: skipped" in md
+
+
+def test_an_fp8_build_calibrates_on_the_images_the_run_hands_it(tmp_path):
+    """The triton rung's fp8 calibration (tiers/triton.py calibrate): each convolution's input amax over the images
+    in the store's calibration file where the run gives one (train-to-accuracy --infer: training images), else over
+    the calibration input; the stem's amax is the images' own largest magnitude."""
+    from safetensors.torch import save_file
+
+    from core.cell import Store
+    from tiers.triton import calibrate
+
+    model = build_model("resnet18").eval()
+    images = 7 * torch.randn(3, 3, 32, 32)
+    save_file({"x": images}, str(tmp_path / "calibration.safetensors"))
+    given = calibrate(model, images[:2], Store(calibration=tmp_path / "calibration.safetensors"))
+    assert given["conv1"] == images.abs().max().item()
+    assert calibrate(model, images[:2], Store())["conv1"] < given["conv1"] / 3  # the N(0,1)-like calibration input
+
+
 def test_accuracy_refuses_a_data_dir_without_splits(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "harness", "train-to-accuracy", "--device", "cpu", "--data",
                            str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from core import train
 from core.cell import DTYPES, Built, Cell, Store, layout_name
@@ -46,14 +47,16 @@ FP8_RECIPE = {"weights": "e4m3, one scale per output channel (batch-norm folded 
               "activations": "one calibrated scale per tensor; e4m3 in memory between a block's convolutions, bf16 "
                              "at block boundaries (the residual path), rounded to e4m3 in the dot that reads them",
               "calibration": "each convolution input's amax over the calibration input (core/recipes.py: not the "
-                             "parity input), in an eager strict fp32 forward",
+                             "parity input; train-to-accuracy: training images), in an eager strict fp32 forward",
               "bf16 layers": "the stem and the classifier, as FP8 recipes keep the first and last layers"}
 
 
-def calibrate(model: torch.nn.Module, example: torch.Tensor) -> dict[str, float]:
-    """The fp8 cell's calibration pass: each convolution's input amax over the calibration input of the example's
+def calibrate(model: torch.nn.Module, example: torch.Tensor, store: Store) -> dict[str, float]:
+    """The fp8 cell's calibration pass: each convolution's input amax over the images the run hands it
+    (`store.calibration`: train-to-accuracy's training images), else over the calibration input of the example's
     shape, which is not the input parity is checked on (core/recipes.py)."""
-    x = calibration_input(example.shape[0], example.shape[-1]).to(example.device)
+    x = (load_file(str(store.calibration))["x"] if store.calibration else
+         calibration_input(example.shape[0], example.shape[-1])).to(example.device)
     return calibration_amax(copy.deepcopy(model).to(example.device), x)
 
 
@@ -176,7 +179,7 @@ class TritonTier(PythonTier):
         from kernels.triton.resnet import TritonResNet
 
         tune = self.setting(cell, "autotune") == "on"
-        fp8 = calibrate(model, example) if cell.dtype == "fp8" else None
+        fp8 = calibrate(model, example, store) if cell.dtype == "fp8" else None
         # Programmatic dependent launch exists from Hopper (compute capability 9.0) on; before it, pdl=on runs off.
         pdl = self.setting(cell, "pdl") == "on" and torch.cuda.get_device_capability(example.device)[0] >= 9
         net = TritonResNet(model, torch_dtype(cell.dtype), example.device, _precision(cell.dtype), tune, fp8,

@@ -30,6 +30,11 @@ CENSUS_KEYS = frozenset({"steps", "source", "module_scopes"})
 TRAIN_PHASES = ("load", "build", "train", "done")
 WORKER = [sys.executable, "-m", "harness.child.worker"]  # the Python rungs' child program (run from the repository)
 TRAIN_RESULT_KEYS = frozenset({"cold", "build_stats", "epochs"})
+# A Python rung's forward evaluated on data (train-to-accuracy --infer): --eval-data FILE (x: images) in place of the
+# timed phases; it announces these phases, writes every image's logits to --output and these result keys (`images`:
+# how many). --calibration FILE (x: images): what an fp8 build calibrates its scales on (training images there).
+EVAL_PHASES = ("load", "build", "eval", "done")
+EVAL_RESULT_KEYS = frozenset({"cold", "build_stats", "images"})
 # What a child prints on stdout for the parent: which cell of a `--cells` list begins, which phase, what failed.
 CELL, PHASE, ERROR = "@@cell ", "@@phase ", "@@error "
 # A sustained cell's figures (Protocol.sustain_s) are its util pass's last seconds: throughput from the pass's

@@ -67,7 +67,8 @@ def pipelined_iters(kv: dict[str, str], latency_ms: list[float]) -> int:
 def store_of(kv: dict[str, str]) -> Store:
     """The rung's cache and tunings, from the contract's --cache-dir and --tunings (as a C++ child reads them)."""
     return Store(cache=Path(kv["cache-dir"]) if kv.get("cache-dir") else None,
-                 tunings=Path(kv["tunings"]) if kv.get("tunings") else None)
+                 tunings=Path(kv["tunings"]) if kv.get("tunings") else None,
+                 calibration=Path(kv["calibration"]) if kv.get("calibration") else None)
 
 
 def build(kv: dict[str, str], cell: Cell, result: dict[str, Any], lr: float | torch.Tensor | None = None
@@ -144,6 +145,23 @@ def train_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> dic
         save_file(built.state(), str(Path(kv["states"]) / f"epoch-{e}.safetensors"))
     phase("done")
     return {"cold": result["cold"], "build_stats": built.stats, "epochs": epochs}
+
+
+def evaluate_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> dict[str, Any]:
+    """--eval-data FILE (harness/child/contract.py EVAL_PHASES): the built forward over every image of `x`, a batch
+    of the cell's size at a time (the last one filled up with the first images, whose logits are dropped), every
+    image's logits to --output. The result: cold, build_stats, images."""
+    x = load_file(kv["eval-data"])["x"]
+    _, built, _, _ = build(kv, cell, result)
+    phase("eval")
+    logits = []
+    for i in range(0, len(x), cell.batch):
+        chunk = x[i:i + cell.batch]
+        full = torch.cat([chunk, x[:cell.batch - len(chunk)]]) if len(chunk) < cell.batch else chunk
+        logits.append(built.forward(prepare_input(full, cell)).float().cpu()[:len(chunk)])  # a copy: a replay reuses
+    save_file({"output": torch.cat(logits).contiguous()}, kv["output"])
+    phase("done")
+    return {"cold": result["cold"], "build_stats": built.stats, "images": len(x)}
 
 
 def end_to_end_pass(forward: Callable[[Any], Any], example: torch.Tensor, stream: Any, output: dict[str, Any],
@@ -288,6 +306,8 @@ def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     if kv.get("train-data"):
         return train_on_data(kv, cell, result)
+    if kv.get("eval-data"):
+        return evaluate_on_data(kv, cell, result)
     tier, built, example, x_host = build(kv, cell, result)
     first_result(kv, cell, built, example, x_host, result)
     if kv.get("build-only") == "1":
