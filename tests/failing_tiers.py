@@ -1,6 +1,6 @@
 """Rungs that fail on purpose, loaded through LADDER_EXTRA_TIERS by the isolation tests: a real segfault, a
-Python exception, a hang past the timeout, a rung that computes a different function, one that hangs in its hot
-start, and an error that looks like rich markup."""
+Python exception, a hang past the timeout, a rung that computes a different function, one whose output varies
+from call to call, one that hangs in its hot start, and an error that looks like rich markup."""
 import ctypes
 import time
 
@@ -49,6 +49,21 @@ class WrongFunction(PythonTier):
         return Built(forward=net)
 
 
+class Varies(PythonTier):
+    """The right function, each call's logits a little off the last's (as a kernel whose atomic sums land in another
+    order each call): far inside parity's tolerance, not the same bits twice."""
+
+    name = "test-varies"
+
+    def build(self, model, example, cell, store):
+        net, calls = place_model(model, cell), [0]
+
+        def forward(x):
+            calls[0] += 1
+            return net(x) * (1 + 1e-6 * calls[0])
+        return Built(forward=forward)
+
+
 class HangsInItsHotStart(PythonTier):
     """Measures as eager does, then takes an hour over its hot start (as compile's max-autotune takes minutes)."""
 
@@ -62,7 +77,7 @@ class HangsInItsHotStart(PythonTier):
         time.sleep(3600)
 
 
-TIERS = [Segfault(), Raises(), Hangs(), WrongFunction(), HangsInItsHotStart()]
+TIERS = [Segfault(), Raises(), Hangs(), WrongFunction(), Varies(), HangsInItsHotStart()]
 
 
 class MarkupReason(PythonTier):

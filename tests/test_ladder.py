@@ -93,8 +93,8 @@ def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
     # The hang costs the timeout: short on an idle host. Beside other load a rung's process takes longer than that
     # to start and fail its parity (beside a CPU burner, 25 s cut test-wrong's cell short: issue 57).
     timeout = "120" if other_load() else "25"
-    proc = ladder(tmp_path, "--tiers", "test-segfault,test-raises,test-hangs,test-wrong,eager", "--batch", "1",
-                  "--res", "32", "--timeout", timeout, extra_tiers=True)
+    proc = ladder(tmp_path, "--tiers", "test-segfault,test-raises,test-hangs,test-wrong,test-varies,eager", "--batch",
+                  "1", "--res", "32", "--timeout", timeout, extra_tiers=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     by = {r["tier"]: r for r in records(tmp_path)}
     assert by["test-segfault"]["status"] == "crashed"
@@ -103,9 +103,12 @@ def test_crashing_rungs_do_not_stop_the_ladder(tmp_path):
     assert by["test-raises"]["reason"] == "RuntimeError: deliberate failure in build"
     assert by["test-hangs"]["status"] == "timeout" and "build" in by["test-hangs"]["reason"]
     assert by["test-wrong"]["status"] == "parity-fail" and by["test-wrong"].get("latency_ms") is None
-    assert by["eager"]["status"] == "ok"
+    assert by["eager"]["status"] == "ok" and by["eager"]["repeatable"] is True
+    # an output that varies from call to call passes parity and is flagged in the record and the table
+    assert by["test-varies"]["status"] == "ok" and by["test-varies"]["repeatable"] is False
+    assert "| test-varies |" in (md := (tmp_path / "ladder.md").read_text()) and " varies |" in md
     # every cell was recorded as it finished, not only at the end
-    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 5
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
 
 
 def test_ctrl_c_keeps_every_finished_cell(tmp_path):

@@ -17,8 +17,10 @@ from core.cell import Cell
 PHASES = ("load", "build", "first", "warmup", "latency", "pipelined", "e2e", "memory", "util", "after", "done")
 TIMED_PHASES = ("warmup", "latency", "pipelined", "e2e")
 # The keys of a measured cell's result file (--result).
+# `repeatable`: whether one more call after the timed phases gave the first call's logits bit for bit, on the same
+# input (None for a training step, whose state moves on).
 RESULT_KEYS = frozenset({"cold", "build_stats", "stream", "warmup", "latency", "host", "pipelined", "e2e", "memory",
-                         "util", "rss_peak_bytes"})
+                         "util", "rss_peak_bytes", "repeatable"})
 # With --census-steps N above 0, the census pass (after util, outside every timing): N calls, each in a range named
 # CENSUS_STEP and synchronised, profiled into the Chrome trace at --census; the result then holds CENSUS_KEYS under
 # "census" (steps; source: the profiler; module_scopes: whether the layers' ranges are the rung's own).

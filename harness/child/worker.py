@@ -103,8 +103,9 @@ def build(kv: dict[str, str], cell: Cell, result: dict[str, Any], lr: float | to
 
 
 def first_result(kv: dict[str, str], cell: Cell, built: Built, example: torch.Tensor, x_host: torch.Tensor,
-                 result: dict[str, Any]) -> None:
-    """The cold part's last phase: the first result, written to --output (and a training cell's parity steps)."""
+                 result: dict[str, Any]) -> torch.Tensor | None:
+    """The cold part's last phase: the first result, written to --output (and a training cell's parity steps).
+    Returns the logits on the host (a forward's), for `repeatable`."""
     phase("first")
     t = time.perf_counter()
     out = built.forward(example)
@@ -115,13 +116,26 @@ def first_result(kv: dict[str, str], cell: Cell, built: Built, example: torch.Te
         losses = [out.clone()] + [built.forward(example).clone() for _ in range(int(kv["parity-steps"]) - 1)]
         save_file(train.output_tensors(losses, built.state()), kv["output"])
     else:
-        save_file({"output": out.detach().float().cpu().contiguous()}, kv["output"])
+        logits = out.detach().float().cpu().contiguous()
+        save_file({"output": logits}, kv["output"])
         if kv.get("stages") and built.stages:  # the stage check (core/parity.py): errors only, the parent judges
             refs = unpack_stages(load_file(kv["stages"]))
             x = x_host[:refs[0][1].shape[0]].to(example.device)
             result["stage_errors"] = stage_errors(run_stages(built.stages(), x, refs), refs)
     # Keep no reference to this output: under reduce-overhead (CUDA-graph trees) a later call overwrites it.
     result["output"] = {"shape": list(out.shape), "dtype": out.dtype}
+    return None if cell.task == "train" else logits
+
+
+def repeatable(cell: Cell, built: Built, example: torch.Tensor, first: torch.Tensor | None) -> bool | None:
+    """Whether one more call on the same input gives the first call's logits bit for bit (a kernel that races or
+    reads memory it does not own shows here); None for a training step, whose state moved on."""
+    if first is None:
+        return None
+    again = built.forward(example)
+    sync_of(built, cell)()
+    again = again.detach().float().cpu().contiguous()
+    return again.shape == first.shape and torch.equal(again.view(torch.int32), first.view(torch.int32))
 
 
 def train_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +244,9 @@ def util_pass(forward: Callable[[Any], Any], example: torch.Tensor, sync: Callab
 
 
 def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: torch.Tensor,
-            result: dict[str, Any]) -> None:
-    """The warm phases of docs/protocol.md on a built rung, into `result`."""
+            result: dict[str, Any], first: torch.Tensor | None) -> None:
+    """The warm phases of docs/protocol.md on a built rung, into `result`; `first`: the first call's logits, which
+    one more call after them must repeat (`repeatable`)."""
     stream = stream_of(built, cell)
     sync = sync_of(built, cell)
     output = result.pop("output")
@@ -277,6 +292,7 @@ def measure(kv: dict[str, str], cell: Cell, tier: Any, built: Built, example: to
 
     phase("after")  # rung facts that need the measured state (guard cost); outside every timing
     result["build_stats"] = {**built.stats, **tier.after(built, example, cell)}
+    result["repeatable"] = repeatable(cell, built, example, first)
     if kv.get("hot-start") == "1":
         # The result first, whole: a hot start can take minutes (compile's max-autotune tunes the new shape again),
         # and a cell stopped there keeps its measurement; the file is written again with the hot start.
@@ -309,11 +325,11 @@ def run_cell(kv: dict[str, str], options: dict[str, str]) -> dict[str, Any]:
     if kv.get("eval-data"):
         return evaluate_on_data(kv, cell, result)
     tier, built, example, x_host = build(kv, cell, result)
-    first_result(kv, cell, built, example, x_host, result)
+    first = first_result(kv, cell, built, example, x_host, result)
     if kv.get("build-only") == "1":
         result.pop("output")
         return result
-    measure(kv, cell, tier, built, example, result)
+    measure(kv, cell, tier, built, example, result, first)
     phase("done")
     result["rss_peak_bytes"] = peak_rss_bytes()
     return result

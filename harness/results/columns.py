@@ -78,7 +78,8 @@ def _parity(r: dict, _: View) -> str:
     par = r.get("parity") or {}
     if par.get("ok") is None:
         return ""
-    return f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL"
+    varies = " varies" if r.get("repeatable") is False else ""  # not the same output on the same input twice
+    return (f"{'ok' if par['ok'] else 'FAIL'} {par.get('rel_err', 0):.1e}" if "rel_err" in par else "FAIL") + varies
 
 
 def _sm_clock(r: dict, v: View) -> str:
@@ -180,7 +181,9 @@ COLUMNS: tuple[Column, ...] = (
            "alloc MiB = torch allocator peak in steady state", gpu_only=True),
     Column(None, "rss_peak_bytes", at("memory.rss_peak_bytes")),
     Column("parity", "parity_ok", at("parity.ok"), _parity,
-           "parity rel err = max|out-ref|/max|ref| against eager fp32"),
+           "parity rel err = max|out-ref|/max|ref| against eager fp32; 'varies': one more call on the same input "
+           "did not repeat the first call's logits bit for bit"),
+    Column(None, "repeatable", at("repeatable")),
     Column(None, "parity_rel_err", at("parity.rel_err")),
     Column("err/eager", "parity_ratio_to_eager", at("parity.ratio_to_eager"), _number("parity.ratio_to_eager", ".2f"),
            "err/eager = that error over eager's at the same dtype (bf16 for fp8)"),

@@ -61,6 +61,9 @@ DEFINITIONS = {
     "hot_start": "first call at batch + 1 in the process of the rung's first measured cell (a new shape: the "
                  "recompile of compiling rungs), synchronised, wall clock; inference cells only",
     "cache_bytes": "size on disk of the rung's kept caches after the cell",
+    "repeatable": "whether one more call after the timed phases, on the same input, gave the first call's logits "
+                  "bit for bit (false: the rung's output varies from call to call: a race, an atomic sum, a read of "
+                  "memory it does not own); null for a training step, whose state moves on, and in runs before it",
     "phase_s": "wall seconds of the cell per protocol phase, from the parent's clock ('start': the process's start "
                "and imports for a process's first cell); they add up to wall_s",
     "contention": "other processes during the cell's timed phases: other_cpus_busy = CPU time of processes outside "
@@ -242,6 +245,7 @@ def finish_record(ctx: Context, record: dict, cell: Cell, raw: dict, wall_s: flo
     record["build_stats"] = raw["build_stats"]
     record["interpreted"] = bool(raw["build_stats"].get("interpreted"))
     record["hot_start"] = raw.get("hot_start")
+    record["repeatable"] = raw.get("repeatable")  # absent from a C++ program built before it
     if ctx.protocol.census_steps:
         record["census"] = census_of(ctx, cell, raw.get("census") or {"error": "the child made no census"})
     record["stream"] = raw["stream"]

@@ -269,6 +269,9 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   // Training: the parity steps go on from the first (harness/child/worker.py build does the same).
   for (int i = 1; i < std::stoi(a.get("parity-steps", "1")); ++i) rung->forward();
   write_safetensors(a.get("output"), rung->result_tensors());
+  // The first logits, to hold a later call's against (`repeatable`); a training step's state moves on, so none.
+  const bool training = a.get("task", "infer") == "train";
+  const HostTensor first = training ? HostTensor{} : rung->output_fp32();
   result["cold"] = cold;
   result["build_stats"] = build_stats;
   result["stream"] = rung->stream_description();
@@ -396,6 +399,14 @@ inline int run_child_impl(const Args& a, const RungFactory& factory) {
   }
 
   phase("after");  // the Python worker's rung facts; a C++ rung reports its facts in build_stats at build
+  if (training) {
+    result["repeatable"] = Json();
+  } else {  // bit for bit, as harness/child/worker.py repeatable
+    rung->forward();
+    const HostTensor again = rung->output_fp32();
+    result["repeatable"] = again.data.size() == first.data.size() &&
+                           std::memcmp(again.data.data(), first.data.data(), first.data.size() * sizeof(float)) == 0;
+  }
   phase("done");
   long long rss = peak_rss_bytes();
   if (rss >= 0) result["rss_peak_bytes"] = rss; else result["rss_peak_bytes"] = Json();
