@@ -48,13 +48,18 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
         assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("n,size,channels", [(3, 5, 37), (2, 7, 64), (1, 2, 5), (3, 19, 5)])
-def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels):
+@pytest.mark.parametrize("n,size,channels,programs", [(3, 5, 37, 4), (2, 7, 64, 4), (1, 2, 5, 4), (3, 19, 5, 4),
+                                                      (1, 120, 5, 200)])
+def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels, programs, monkeypatch):
     """Forward (the batch's moments, biased, the affine map, and the running statistics' update) and backward (dx,
     dgamma, dbeta, written into the tensors given) against F.batch_norm in training mode, in fp64, on channel
     counts off the tiles, a batch of 4 values per channel, and many rows over few channels (cut into slices, the
-    last one short)."""
-    from kernels.triton import batch_norm
+    last one short; with a GPU's count of programs, 90 slices: more than two of the finalize kernels' tiles)."""
+    from kernels.triton import batch_norm, split
+
+    monkeypatch.setattr(split, "_target_programs", lambda device: programs)
+    if programs > 4:
+        assert batch_norm._slices(torch.empty(n, size, size, channels), tune=False)[0] > 2 * batch_norm.BLOCK_S
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, channels, size, size, generator=g) * 3 + 2  # a mean the moments must not cancel

@@ -37,6 +37,10 @@ REDUCTION_CONFIGS = [triton.Config({"BLOCK_P": rows}, num_warps=warps, num_stage
                      for rows in (32, 64, 128, 256) for warps in (4, 8)]
 MAX_BLOCK_P = max(c.kwargs["BLOCK_P"] for c in REDUCTION_CONFIGS)
 UNTUNED = dict(BLOCK_P=BLOCK_P, num_warps=4, num_stages=3)
+# The finalize kernels read BLOCK_S slices' partials at a time, each slot of the tile summing its own slices in
+# order and the slots added by one tree at the end: a fixed order (the same bits every call) in SLICES / BLOCK_S
+# steps. One slice at a time, a stem's 528 slices took 23 us a launch on the H200 (results/nvidia-h200/train/triton).
+BLOCK_S = 32
 
 
 @tuning.autotune(REDUCTION_CONFIGS, key=["P", "C"])
@@ -100,23 +104,30 @@ def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, su
 @triton.jit
 def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr,
                              run_mean_ptr, run_var_ptr, batches_ptr, P, C, SLICES, ROWS, eps, momentum,
-                             AFFINE: tl.constexpr, RUNNING: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The slices' means and M2 merged, in slice order (the same bits every call), into the batch's mean and biased
-    variance per column (the mean stored); with AFFINE its invstd and the forward's map y = scale * x + shift; with RUNNING PyTorch's
-    running statistics (an exponential average of the mean and of the unbiased variance) and its batch count."""
+                             AFFINE: tl.constexpr, RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+    """The slices' means and M2 merged (BLOCK_S slices a step, in a fixed order: the same bits every call) into the
+    batch's mean and biased variance per column (the mean stored); with AFFINE its invstd and the forward's map
+    y = scale * x + shift; with RUNNING PyTorch's running statistics (an exponential average of the mean and of the
+    unbiased variance) and its batch count."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for s in range(0, SLICES):
-        rows = tl.minimum(ROWS, P - s * ROWS).to(tl.float32)
-        mean += rows * tl.load(means_ptr + s * C + offs_c, mask=c_ok, other=0.0)
-    mean = mean / P
-    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for s in range(0, SLICES):
-        rows = tl.minimum(ROWS, P - s * ROWS).to(tl.float32)
-        spread = tl.load(means_ptr + s * C + offs_c, mask=c_ok, other=0.0) - mean
-        m2 += tl.load(m2_ptr + s * C + offs_c, mask=c_ok, other=0.0) + rows * spread * spread
-    var = m2 / P
+    weighted = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+    for s0 in range(0, SLICES, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        ok = (offs_s < SLICES)[:, None] & c_ok[None, :]
+        rows = tl.minimum(ROWS, P - offs_s * ROWS).to(tl.float32)[:, None]
+        weighted += tl.where(ok, rows * tl.load(means_ptr + offs_s[:, None] * C + offs_c[None, :], mask=ok), 0.0)
+    mean = tl.sum(weighted, 0) / P
+    m2 = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+    for s0 in range(0, SLICES, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        ok = (offs_s < SLICES)[:, None] & c_ok[None, :]
+        at = offs_s[:, None] * C + offs_c[None, :]
+        rows = tl.minimum(ROWS, P - offs_s * ROWS).to(tl.float32)[:, None]
+        spread = tl.load(means_ptr + at, mask=ok, other=0.0) - mean[None, :]
+        m2 += tl.where(ok, tl.load(m2_ptr + at, mask=ok, other=0.0) + rows * spread * spread, 0.0)
+    var = tl.sum(m2, 0) / P
     tl.store(mean_ptr + offs_c, mean, mask=c_ok)
     if AFFINE:
         invstd = 1.0 / tl.sqrt(var + eps)
@@ -136,16 +147,22 @@ def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, i
 
 @triton.jit
 def _grad_finalize_kernel(sum_dy_ptr, sum_dy_xhat_ptr, gamma_ptr, mean_ptr, invstd_ptr, dgamma_ptr, dbeta_ptr, k1_ptr,
-                          k2_ptr, k3_ptr, P, C, SLICES, BLOCK_C: tl.constexpr):
-    """The slices' partial sums added in slice order into dbeta = sum(dy) and dgamma = sum(dy * xhat), and the
-    coefficients of dx = k1 * dy + k2 * x + k3 (the module docstring's dx with xhat = (x - mean) * invstd)."""
+                          k2_ptr, k3_ptr, P, C, SLICES, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The slices' partial sums added (BLOCK_S slices a step, in a fixed order) into dbeta = sum(dy) and
+    dgamma = sum(dy * xhat), and the coefficients of dx = k1 * dy + k2 * x + k3 (the module docstring's dx with
+    xhat = (x - mean) * invstd)."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    dbeta = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    dgamma = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for s in range(0, SLICES):
-        dbeta += tl.load(sum_dy_ptr + s * C + offs_c, mask=c_ok, other=0.0)
-        dgamma += tl.load(sum_dy_xhat_ptr + s * C + offs_c, mask=c_ok, other=0.0)
+    dbetas = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+    dgammas = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+    for s0 in range(0, SLICES, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        ok = (offs_s < SLICES)[:, None] & c_ok[None, :]
+        at = offs_s[:, None] * C + offs_c[None, :]
+        dbetas += tl.load(sum_dy_ptr + at, mask=ok, other=0.0)
+        dgammas += tl.load(sum_dy_xhat_ptr + at, mask=ok, other=0.0)
+    dbeta = tl.sum(dbetas, 0)
+    dgamma = tl.sum(dgammas, 0)
     mean = tl.load(mean_ptr + offs_c, mask=c_ok, other=0.0)
     invstd = tl.load(invstd_ptr + offs_c, mask=c_ok, other=0.0)
     k1 = tl.load(gamma_ptr + offs_c, mask=c_ok, other=0.0) * invstd
@@ -228,7 +245,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     dbeta = _channels(c, x.device) if dbeta is None else dbeta
     k1, k2, k3 = (_channels(c, x.device) for _ in range(3))
     _grad_finalize_kernel[(triton.cdiv(c, BLOCK_C),)](sum_dy, sum_dy_xhat, gamma, mean, invstd, dgamma, dbeta, k1,
-                                                       k2, k3, p, c, slices, BLOCK_C)
+                                                       k2, k3, p, c, slices, BLOCK_C, BLOCK_S)
     gated = torch.empty_like(dy) if residual and y is not None else None  # the residual's gradient: dy past the ReLU
     dx = _affine(dy, k1, k3, x, k2, gate=y, gated=gated)
     if not residual:
@@ -276,7 +293,7 @@ def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, 
     _moments_finalize_kernel[(triton.cdiv(c, BLOCK_C),)](
         means, m2, gamma if affine else mean, beta if affine else mean, mean, invstd if affine else mean,
         scale if affine else mean, shift if affine else mean, run_mean, run_var, batches, p, c, slices, rows, eps,
-        momentum, affine, running is not None, BLOCK_C)
+        momentum, affine, running is not None, BLOCK_C, BLOCK_S)
     return Statistics(mean, invstd, scale, shift)
 
 
