@@ -196,6 +196,26 @@ def train_in_child(tier: Tier, initial: torch.nn.Module, data: tuple, cell: Cell
             "final_test_accuracy": curve[-1]["test_accuracy"] if curve else None}
 
 
+def store_or_skip(tier: Tier, cell: Cell, label: str, out: Path, gpu: str | None, skipped: dict[str, str],
+                  console: Console, why_not: str | None = None) -> Store | None:
+    """The cell's store (its rung's cache under the run, the tunings shipped for this GPU), or None once the reason
+    it cannot run here is in `skipped` and on the terminal."""
+    reason = tier.availability(cell.device) or tier.supports(cell) or why_not
+    if reason:
+        skipped[label] = reason
+        console.print(f"{label}: skipped: {reason}", markup=False, style="yellow")
+        return None
+    store = Store(cache=out / "cache" / cell.tier, tunings=shipped_tunings(gpu, cell.tier))
+    store.cache.mkdir(parents=True, exist_ok=True)
+    return store
+
+
+def record_failure(e: Exception, label: str, failed: dict[str, str], console: Console) -> None:
+    """A cell that failed costs its own curve or row, with the reason, in `failed` and on the terminal."""
+    failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
+    console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
+
+
 def infer_in_child(tier: Tier, network: torch.nn.Module, x_test: torch.Tensor, x_calibration: torch.Tensor,
                    cell: Cell, store: Store, workdir: Path) -> tuple[torch.Tensor, dict]:
     """A rung's forward of `network` over every test image in a process of its own (--eval-data); its logits, and
@@ -230,21 +250,16 @@ def infer_trained(config: "AccuracyConfig", initial: torch.nn.Module, state: Pat
         tier = all_tiers()[name]
         cell = Cell(tier=name, model=config.model, batch=config.batch, res=config.res, dtype=dtype,
                     channels_last=device == "cuda", device=device)
-        reason = tier.availability(device) or tier.supports(cell) or (
+        store = store_or_skip(tier, cell, label, out, gpu, skipped, console, why_not=(
             f"{name} is a program of its own; evaluation on data runs the Python rungs' worker"
-            if isinstance(tier, ExternalTier) else None)
-        if reason:
-            skipped[label] = reason
-            console.print(f"{label}: skipped: {reason}", markup=False, style="yellow")
+            if isinstance(tier, ExternalTier) else None))
+        if store is None:
             continue
-        store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
-        store.cache.mkdir(parents=True, exist_ok=True)
         try:
             logits, times = infer_in_child(tier, network, x_test, x_train[:CALIBRATION_IMAGES], cell, store,
                                            out / "programs" / f"infer-{name}-{dtype}")
         except Exception as e:  # a cell that fails costs its own row
-            failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
-            console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
+            record_failure(e, label, failed, console)
             continue
         top1 = logits.argmax(1)
         reference = top1 if reference is None else reference
@@ -316,13 +331,9 @@ def run(config: AccuracyConfig) -> None:
                     channels_last=layout, device=device, task="train", options=options)
         label = (f"{name} ({cell.layout})" if layout != channels_last else
                  f"{name} ({', '.join(f'{k}={v}' for k, v in options)})" if options else name)
-        reason = tier.availability(device) or tier.supports(cell)
-        if reason:
-            skipped[label] = reason
-            console.print(f"{label}: skipped: {reason}", markup=False, style="yellow")
+        store = store_or_skip(tier, cell, label, out, gpu, skipped, console)
+        if store is None:
             continue
-        store = Store(cache=out / "cache" / name, tunings=shipped_tunings(gpu, name))
-        store.cache.mkdir(parents=True, exist_ok=True)
         workdir = out / "programs" / "-".join([name, cell.layout, *(f"{k}={v}" for k, v in options)])
         try:
             result = train_in_child(tier, initial, data_split, cell, order, rates, store, workdir,
@@ -330,8 +341,7 @@ def run(config: AccuracyConfig) -> None:
             results.append({**result, "rung": label, "layout": cell.layout, "options": dict(options)})
             states[label] = workdir / "states" / f"epoch-{config.epochs}.safetensors"
         except Exception as e:  # a rung that fails costs its own curve, not the others'
-            failed[label] = " ".join((str(e) if isinstance(e, ChildFailed) else f"{type(e).__name__}: {e}").split())
-            console.print(f"{label}: failed: {failed[label]}", markup=False, style="red")
+            record_failure(e, label, failed, console)
     inference = None
     if config.infer:
         inference = (infer_trained(config, initial, states[TWIN], data_split, device, gpu, out, console)
