@@ -13,7 +13,7 @@ from rich.console import Console
 from core.cell import Cell
 from core.env import default_device, environment
 from core.files import write_text_atomic
-from harness.results.micro_tables import markdown, micro_table
+from harness.results.micro_tables import markdown, micro_table, pass_totals_table
 from harness.run.refusal import Refusal
 from tiers import get_tier
 
@@ -38,7 +38,10 @@ def run(tier_name: str, batch: int, res: int, dtype: str, channels_last: bool, t
     rows = tier.micro(batch, res, dtype, channels_last, task)
     what = "per-layer" if task == "infer" else "training step, per layer and pass,"
     title = f"{tier_name}: {what} microbenchmark, batch {batch}, res {res}, {dtype}"
-    Console().print(micro_table(title, rows))
+    console = Console()
+    console.print(micro_table(title, rows))
+    if totals := pass_totals_table(rows):
+        console.print(totals)
     if json_path:
         write_text_atomic(json_path, json.dumps({"environment": environment("cuda"), "tier": tier_name, "task": task,
                                                  "batch": batch, "res": res, "dtype": dtype, "rows": rows}, indent=1))

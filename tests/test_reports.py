@@ -341,6 +341,26 @@ def test_micro_training_table_fits_100_columns_with_whole_layer_names():
 
 
 @pytest.mark.quick
+def test_a_training_micro_sums_each_pass_over_the_network():
+    """micro --task train's per-pass totals: each layer's ms times its count, per rung column; `all` only for a
+    column every pass has (the batch norm's PyTorch and Inductor columns are not the convolutions'); rows without
+    a count (cudnn's, the whole schedule) count once; an inference micro has none."""
+    from harness.results.micro_tables import markdown, pass_totals
+
+    rows = [{"layer": "a", "pass": "forward", "count": 3, "triton_ms": 1.0, "cudnn_ms": 0.5},
+            {"layer": "b", "pass": "forward", "count": 1, "triton_ms": 2.0, "cudnn_ms": 1.0},
+            {"layer": "a", "pass": "bn forward", "count": 3, "triton_ms": 0.25, "inductor_ms": 0.5}]
+    assert pass_totals(rows) == [
+        {"pass": "forward", "triton_ms": "5.00", "cudnn_ms": "2.50", "inductor_ms": ""},
+        {"pass": "bn forward", "triton_ms": "0.75", "cudnn_ms": "", "inductor_ms": "1.50"},
+        {"pass": "all", "triton_ms": "5.75", "cudnn_ms": "", "inductor_ms": ""}]
+    assert "| all | 5.75 |" in markdown("t", rows)
+    assert pass_totals([{"layer": "a", "pass": "dgrad", "median_ms": 0.5}] * 2)[-1] == {"pass": "all",
+                                                                                         "median_ms": "1.00"}
+    assert pass_totals([{"layer": "a", "triton_ms": 1.0}]) == []
+
+
+@pytest.mark.quick
 def test_a_hand_written_cell_is_stated_against_the_best_framework_cell_of_its_dtype():
     """vs fw divides the fastest framework cell (any layout, mode or option; never a hand-written one) at the same
     task, batch, res and dtype (bf16 for fp8); the fastest line names it; the CSV and the JSON carry both."""

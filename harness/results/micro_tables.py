@@ -38,9 +38,43 @@ def micro_table(title: str, rows: list[dict]) -> Table:
     return table
 
 
+PASS_TOTALS = "a layer's ms times how often the network runs it"
+
+
+def pass_totals(rows: list[dict]) -> list[dict[str, str]]:
+    """A training micro's rows summed per pass (forward, dgrad, ...) over the network, each layer's ms times its
+    `count` (1 where rows are the whole schedule, as cudnn's), one column per timed rung; `all` sums a rung's column
+    over the passes where every pass has it. Empty for rows without passes (an inference micro)."""
+    if not rows or "pass" not in rows[0]:
+        return []
+    timed = [c for c in columns(rows) if c.endswith("_ms") and c not in ("tuned_ms", "fused_ms", "unfused_ms")]
+    passes = list(dict.fromkeys(r["pass"] for r in rows))
+    sums = {p: {c: sum(r.get("count", 1) * r[c] for r in rows if r["pass"] == p and r.get(c) is not None) for c in timed
+                if any(r.get(c) is not None for r in rows if r["pass"] == p)} for p in passes}
+    every = [c for c in timed if all(c in sums[p] for p in passes)]
+    table = [{"pass": p, **{c: f"{sums[p][c]:.2f}" if c in sums[p] else "" for c in timed}} for p in passes]
+    return table + [{"pass": "all", **{c: f"{sum(sums[p][c] for p in passes):.2f}" if c in every else ""
+                                       for c in timed}}]
+
+
+def pass_totals_table(rows: list[dict]) -> Table | None:
+    totals = pass_totals(rows)
+    if not totals:
+        return None
+    table = Table(title="per pass, summed over the network (ms)", caption=PASS_TOTALS, box=box.SIMPLE_HEAD)
+    for c in totals[0]:
+        table.add_column(c, justify="left" if c == "pass" else "right")
+    for row in totals:
+        table.add_row(*row.values())
+    return table
+
+
 def markdown(title: str, rows: list[dict]) -> str:
     shown = shown_columns(rows)
+    totals = pass_totals(rows)
     return "\n".join([f"# {title}", "", *markdown_table([{c: r.get(c, "") for c in shown} for r in rows]), "",
+                      *([f"Per pass, summed over the network (ms): {PASS_TOTALS}.", "", *markdown_table(totals), ""]
+                        if totals else []),
                       f"Every column ({', '.join(columns(rows))}): the JSON (--json).", ""])
 
 
