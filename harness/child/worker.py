@@ -172,7 +172,9 @@ def evaluate_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> 
     for i in range(0, len(x), cell.batch):
         chunk = x[i:i + cell.batch]
         full = torch.cat([chunk, x[:cell.batch - len(chunk)]]) if len(chunk) < cell.batch else chunk
-        logits.append(built.forward(prepare_input(full, cell)).float().cpu()[:len(chunk)])  # a copy: a replay reuses
+        out = built.forward(prepare_input(full, cell))
+        sync_of(built, cell)()  # a rung on a stream of its own (ONNX Runtime's) may still be writing `out`
+        logits.append(out.float().cpu()[:len(chunk)])  # a copy: a replay reuses its output
     save_file({"output": torch.cat(logits).contiguous()}, kv["output"])
     phase("done")
     return {"cold": result["cold"], "build_stats": built.stats, "images": len(x)}
