@@ -116,13 +116,18 @@ def image_folder(root: Path, res: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def evaluate(model: torch.nn.Module, state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
              device: str) -> float:
     """Top-1 test accuracy of the eager model in eval mode carrying `state` (core.train.state_of's names)."""
-    model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()}, strict=False)
+    load_state(model, state)
     model.to(device).eval()
     correct = 0
     with torch.inference_mode():
         for i in range(0, len(y), 256):
             correct += (model(x[i:i + 256].to(device)).argmax(1).cpu() == y[i:i + 256]).sum().item()
     return correct / len(y)
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A rung's written state (core.train.state_of's `param.NAME` and `buffer.NAME`) into `model`."""
+    model.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()}, strict=False)
 
 
 def learning_rates(peak: float, epochs: int, steps: int, warmup_epochs: int = WARMUP_EPOCHS) -> torch.Tensor:
@@ -242,9 +247,9 @@ def infer_trained(config: "AccuracyConfig", initial: torch.nn.Module, state: Pat
     by REFERENCE_CELL first; each cell's top-1 accuracy and its top-1 agreement with the reference's."""
     x_train, _, x_test, y_test = data
     network = copy.deepcopy(initial)
-    network.load_state_dict({k.split(".", 1)[1]: v for k, v in load_file(str(state)).items()}, strict=False)
+    load_state(network, load_file(str(state)))
     cells, skipped, failed = [], {}, {}
-    reference = None
+    reference = None  # the reference cell's top-1; without it, no cell has an agreement
     for name, dtype in [REFERENCE_CELL, *(c for c in config.infer if c != REFERENCE_CELL)]:
         label = f"{name} {dtype}"
         tier = all_tiers()[name]
@@ -262,15 +267,15 @@ def infer_trained(config: "AccuracyConfig", initial: torch.nn.Module, state: Pat
             record_failure(e, label, failed, console)
             continue
         top1 = logits.argmax(1)
-        reference = top1 if reference is None else reference
+        if (name, dtype) == REFERENCE_CELL:
+            reference = top1
+        agreement = None if reference is None else (top1 == reference).float().mean().item()
         cells.append({"rung": name, "dtype": dtype, "test_accuracy": (top1 == y_test).float().mean().item(),
-                      "agreement": (top1 == reference).float().mean().item(), **times})
-        console.print(f"  {label:14s} test accuracy {100 * cells[-1]['test_accuracy']:5.1f}%, top-1 as "
-                      f"{' '.join(REFERENCE_CELL)}'s on {100 * cells[-1]['agreement']:5.1f}% of the images",
+                      "agreement": agreement, **times})
+        console.print(f"  {label:14s} test accuracy {100 * cells[-1]['test_accuracy']:5.1f}%"
+                      + ("" if agreement is None else
+                         f", top-1 as {' '.join(REFERENCE_CELL)}'s on {100 * agreement:5.1f}% of the images"),
                       markup=False)
-    if reference is not None and (cells[0]["rung"], cells[0]["dtype"]) != REFERENCE_CELL:
-        for c in cells:  # no reference to agree with: an agreement with another cell would read as the reference's
-            c["agreement"] = None
     return {"network": f"eager's after epoch {config.epochs}", "reference": " ".join(REFERENCE_CELL),
             "calibration": f"the first {min(CALIBRATION_IMAGES, len(x_train))} training images",
             "batch": config.batch, "cells": cells, "skipped": skipped, "failed": failed}

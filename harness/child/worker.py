@@ -127,14 +127,20 @@ def first_result(kv: dict[str, str], cell: Cell, built: Built, example: torch.Te
     return None if cell.task == "train" else logits
 
 
+def logits_on_host(cell: Cell, built: Built, x: torch.Tensor) -> torch.Tensor:
+    """One forward's logits, copied to the host in fp32 once the rung's own stream (ONNX Runtime's) is done: a
+    copy, as a replay reuses its output."""
+    out = built.forward(x)
+    sync_of(built, cell)()
+    return out.detach().float().cpu().contiguous()
+
+
 def repeatable(cell: Cell, built: Built, example: torch.Tensor, first: torch.Tensor | None) -> bool | None:
     """Whether one more call on the same input gives the first call's logits bit for bit (a kernel that races or
     reads memory it does not own shows here); None for a training step, whose state moved on."""
     if first is None:
         return None
-    again = built.forward(example)
-    sync_of(built, cell)()
-    again = again.detach().float().cpu().contiguous()
+    again = logits_on_host(cell, built, example)
     return again.shape == first.shape and torch.equal(again.view(torch.int32), first.view(torch.int32))
 
 
@@ -172,9 +178,7 @@ def evaluate_on_data(kv: dict[str, str], cell: Cell, result: dict[str, Any]) -> 
     for i in range(0, len(x), cell.batch):
         chunk = x[i:i + cell.batch]
         full = torch.cat([chunk, x[:cell.batch - len(chunk)]]) if len(chunk) < cell.batch else chunk
-        out = built.forward(prepare_input(full, cell))
-        sync_of(built, cell)()  # a rung on a stream of its own (ONNX Runtime's) may still be writing `out`
-        logits.append(out.float().cpu()[:len(chunk)])  # a copy: a replay reuses its output
+        logits.append(logits_on_host(cell, built, prepare_input(full, cell))[:len(chunk)])
     save_file({"output": torch.cat(logits).contiguous()}, kv["output"])
     phase("done")
     return {"cold": result["cold"], "build_stats": built.stats, "images": len(x)}

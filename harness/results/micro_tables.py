@@ -49,8 +49,11 @@ def pass_totals(rows: list[dict]) -> list[dict[str, str]]:
         return []
     timed = [c for c in columns(rows) if c.endswith("_ms") and c not in ("tuned_ms", "fused_ms", "unfused_ms")]
     passes = list(dict.fromkeys(r["pass"] for r in rows))
-    sums = {p: {c: sum(r.get("count", 1) * r[c] for r in rows if r["pass"] == p and r.get(c) is not None) for c in timed
-                if any(r.get(c) is not None for r in rows if r["pass"] == p)} for p in passes}
+    sums: dict[str, dict[str, float]] = {p: {} for p in passes}  # pass -> column -> ms, for the columns it has
+    for r in rows:
+        for c in timed:
+            if r.get(c) is not None:
+                sums[r["pass"]][c] = sums[r["pass"]].get(c, 0.0) + r.get("count", 1) * r[c]
     every = [c for c in timed if all(c in sums[p] for p in passes)]
     table = [{"pass": p, **{c: f"{sums[p][c]:.2f}" if c in sums[p] else "" for c in timed}} for p in passes]
     return table + [{"pass": "all", **{c: f"{sum(sums[p][c] for p in passes):.2f}" if c in every else ""
