@@ -45,13 +45,15 @@ def compile_once(kernel, types: dict[str, str], constants: dict[str, object]) ->
 def main() -> int:
     from kernels.triton.batch_norm import (BLOCK_C, BLOCK_P, BLOCK_S, _channel_affine_kernel, _grad_finalize_kernel,
                                            _grad_sums_kernel, _moments_finalize_kernel, _moments_kernel)
-    from kernels.triton.conv_backward import conv2d_weight_grad_kernel
+    from kernels.triton.conv_backward import SUM_BLOCK, _sum_slices_kernel, conv2d_weight_grad_kernel
 
     lines = []
     bf16 = {name: "*bf16" for name in ("x_ptr", "dy_ptr", "y_ptr")}  # bf16: the GPU's training dtype
     for kw, taps_in_tile in ((3, False), (7, True)):  # a 3x3 by taps; the stem's 7x7 over its 3 channels
         lines += compile_configs(conv2d_weight_grad_kernel, {**bf16, "dw_ptr": "*fp32"},
                                  {"KW": kw, "TAPS_IN_TILE": taps_in_tile, "PRECISION": "ieee"})
+    lines += compile_once(_sum_slices_kernel, {"part_ptr": "*fp32", "dw_ptr": "*fp32"},
+                          {"BLOCK_S": 16, "BLOCK_N": SUM_BLOCK})
     sums = ("mean_ptr", "m2_ptr", "invstd_ptr", "sum_dy_ptr", "sum_dy_xhat_ptr")
     pointers = {**bf16, **{name: "*fp32" for name in sums}}
     lines += compile_configs(_moments_kernel, pointers, {"BLOCK_C": BLOCK_C})

@@ -48,6 +48,23 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
         assert err < 1e-5, err
 
 
+def test_weight_gradient_over_many_slices_is_autograds_and_repeats(monkeypatch):
+    """With a GPU's count of programs, a 1x1 over few channels and many pixels is cut into 106 slices: their sum
+    (16 at a time, the last block short) against fp64 autograd, and the same bits on a second call."""
+    from kernels.triton import split
+
+    monkeypatch.setattr(split, "_target_programs", lambda device: 200)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 130, 130, generator=g)
+    weight = torch.randn(6, 5, 1, 1, generator=g)
+    dy, _, dw_ref = autograd(x, weight, 1, 0)
+    nhwc_x, nhwc_dy = (t.float().permute(0, 2, 3, 1).contiguous() for t in (x, dy))
+    assert split.row_slices(2 * 130 * 130, 1, 64, x.device)[0] == 106
+    dw = conv2d_weight_grad(nhwc_x, nhwc_dy, 1, 1, 1, 0)
+    assert ((dw.double() - dw_ref).norm() / dw_ref.norm()).item() < 1e-5
+    assert torch.equal(dw, conv2d_weight_grad(nhwc_x, nhwc_dy, 1, 1, 1, 0))
+
+
 @pytest.mark.parametrize("n,size,channels,programs", [(3, 5, 37, 4), (2, 7, 64, 4), (1, 2, 5, 4), (3, 19, 5, 4),
                                                       (1, 120, 5, 200)])
 def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels, programs, monkeypatch):
@@ -314,7 +331,7 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
     assert proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel") == len(
         REDUCTION_CONFIGS)
     assert all(proc.stdout.count(f"ok {kernel}") == 1 for kernel in
-               ("_moments_finalize_kernel", "_grad_finalize_kernel", "_channel_affine_kernel"))
+               ("_moments_finalize_kernel", "_grad_finalize_kernel", "_channel_affine_kernel", "_sum_slices_kernel"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

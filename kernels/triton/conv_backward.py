@@ -35,11 +35,19 @@ def _weight_grad_config(block_c, block_k, block_p, warps, stages):
                          num_stages=stages)
 
 
-# dW tiles from the fixed first version's 64 x 64 over 32 pixels up to 128 x 128 over 64, pipelined: each pixel block
-# is a [BLOCK_C x BLOCK_P] @ [BLOCK_P x BLOCK_K] dot, so wider tiles reuse each loaded row more.
+# dW tiles from the fixed first version's 64 x 64 over 32 pixels up to 128 x 256 over 64, pipelined: each pixel block
+# is a [BLOCK_C x BLOCK_P] @ [BLOCK_P x BLOCK_K] dot, so wider tiles reuse each loaded row more. Every tap reads both
+# operands again (from L2), so a tile's FLOPs per byte, C*K/(C+K), bound it: 64 x 128 tiles ran at about 200
+# TFLOP/s where cuDNN's reach 550 (docs/notes/triton-training.md).
 WEIGHT_GRAD_CONFIGS = [_weight_grad_config(c, k, bp, w, st) for c, k, bp, w, st in (
     (64, 64, 32, 4, 3), (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 32, 8, 3),
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4))]
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
+# The slices are cut as if for this square tile, whichever tile runs, so that the grid's slice axis and the partials'
+# buffer do not depend on the configuration while the widest tiles still fill the GPU.
+SLICE_TILE = 128
+# The partials' sum: elements per program (with 16 slices at once, 16 KB of loads in flight). torch.sum over the
+# slice axis into the permuted layout ran at about 0.7 TB/s (2.7 ms a step, docs/notes/triton-training.md).
+SUM_BLOCK = 256
 # A slice's rows are a multiple of the largest BLOCK_P, so that every configuration walks them whole.
 SLICE_ROWS = max(c.kwargs["BLOCK_P"] for c in WEIGHT_GRAD_CONFIGS)
 
@@ -95,18 +103,34 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT,
     tl.store(dw_ptr + out, acc, mask=c_ok[:, None] & k_ok[None, :])
 
 
+@triton.jit
+def _sum_slices_kernel(part_ptr, dw_ptr, SLICES, N, COUT, CIN, TAPS, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dW = the sum of the slices' partials (`part`: [SLICES, KH*KW*CIN*COUT], (r, s, c, k) with k fastest), stored in
+    torch's [COUT, CIN, KH, KW] layout. BLOCK_S slices are loaded at once, so that a program keeps that many loads in
+    flight where a convolution has hundreds of slices; they are added in a fixed order (a fixed tree in each block of
+    slices, the blocks in turn), so the bits are the same every call."""
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s0 in range(0, SLICES, BLOCK_S):
+        slices = s0 + tl.arange(0, BLOCK_S)
+        acc += tl.sum(tl.load(part_ptr + slices[:, None].to(tl.int64) * N + offs[None, :],
+                              mask=(slices < SLICES)[:, None] & ok[None, :], other=0.0), axis=0)
+    k, row = offs % COUT, offs // COUT  # row: (r, s, c), c fastest
+    tl.store(dw_ptr + k * (CIN * TAPS) + (row % CIN) * TAPS + row // CIN, acc, mask=ok)
+
+
 def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stride: int, pad: int,
                        precision: str = "ieee", tune: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """dW of a convolution, in torch's [COUT, CIN, KH, KW] layout and fp32: `x` its NHWC input, `dy` the NHWC
     gradient of its output (both contiguous, one dtype); written into `out` (a contiguous [COUT, CIN, KH, KW],
-    such as a view of a flat gradient buffer) where given. The slices are cut for 64 x 64 tiles, whichever tile the
-    tuning picks: the grid's slice axis and the partials' buffer do not depend on the configuration."""
+    such as a view of a flat gradient buffer) where given."""
     n, h, w, cin = x.shape
     _, oh, ow, cout = dy.shape
     taps_in_tile = cin < MIN_TILE  # one tap's channels would leave most of a tile's rows empty
     tile_rows, tap_programs = (kh * kw * cin, 1) if taps_in_tile else (cin, kh * kw)
-    block_c, block_k = _tile(tile_rows), _tile(cout)
-    tiles = triton.cdiv(tile_rows, block_c) * triton.cdiv(cout, block_k) * tap_programs
+    tiles = triton.cdiv(tile_rows, _tile(tile_rows, SLICE_TILE)) * triton.cdiv(cout, _tile(cout, SLICE_TILE))
+    tiles *= tap_programs
     slices, rows = row_slices(n * oh * ow, tiles, SLICE_ROWS, x.device)
     dw = torch.empty((slices, kh, kw, cin, cout), device=x.device, dtype=torch.float32)
 
@@ -115,18 +139,21 @@ def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stri
 
     args = (x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows, tap_programs, tile_rows, kw,
             taps_in_tile, precision)
-    launch(conv2d_weight_grad_kernel, grid, args, tune, dict(BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_P=32,
-                                                              num_warps=4, num_stages=3))
-    # the slices in a fixed order (the same bits every call), summed straight into the gradient's layout
+    launch(conv2d_weight_grad_kernel, grid, args, tune, dict(BLOCK_C=_tile(tile_rows), BLOCK_K=_tile(cout),
+                                                              BLOCK_P=32, num_warps=4, num_stages=3))
     if out is None:
-        return dw.sum(0).permute(3, 2, 0, 1)
-    torch.sum(dw, 0, out=out.permute(2, 3, 1, 0))
+        out = torch.empty((cout, cin, kh, kw), device=x.device, dtype=torch.float32)
+    assert out.is_contiguous(), "the weight gradient is written in torch's contiguous [COUT, CIN, KH, KW] layout"
+    size = kh * kw * cin * cout
+    _sum_slices_kernel[(triton.cdiv(size, SUM_BLOCK),)](dw, out, slices, size, cout, cin, kh * kw, BLOCK_S=16,
+                                                        BLOCK_N=SUM_BLOCK)
     return out
 
 
-def _tile(channels: int) -> int:
-    """A tile side for one axis of dW: 64, or the power of two that holds a narrower axis (at least MIN_TILE)."""
-    return min(64, max(MIN_TILE, triton.next_power_of_2(channels)))
+def _tile(channels: int, widest: int = 64) -> int:
+    """A tile side for one axis of dW: `widest`, or the power of two that holds a narrower axis (at least
+    MIN_TILE)."""
+    return min(widest, max(MIN_TILE, triton.next_power_of_2(channels)))
 
 
 def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, input_hw: tuple[int, int],
