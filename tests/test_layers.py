@@ -93,6 +93,15 @@ def test_the_architecture_names_every_module():
     assert not missing, f"not named in docs/architecture.md: {missing}"
 
 
+@pytest.mark.quick
+def test_every_results_readme_fits_a_page():
+    """A results README is one page: what ran, the table, what it says; the detail goes to each check's own README."""
+    readmes = sorted((REPO / "results").rglob("README.md"))
+    assert readmes
+    long = {str(p.relative_to(REPO)): n for p in readmes if (n := len(p.read_text().splitlines())) > 100}
+    assert not long, f"results READMEs over 100 lines: {long}"
+
+
 # harness/'s rooms, lowest first, each a folder (the commands: the modules at harness/'s top): each module imports only
 # from its own room and the rooms below it (docs/architecture.md, "harness/, by room").
 ROOM_ORDER = ["child", "run", "results", "commands"]
