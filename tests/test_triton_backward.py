@@ -3,6 +3,7 @@ under the interpreter on the CPU (the kernels themselves, real Triton)."""
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def test_a_blocks_training_step_is_autograds(kind, stride, inplanes):
 
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
-    from kernels.triton.train_block import block_backward, block_forward
+    from kernels.triton.train_block import block_backward, block_forward, main_path
 
     torch.manual_seed(0)
     down = (torch.nn.Sequential(torch.nn.Conv2d(inplanes, 32, 1, stride, bias=False), torch.nn.BatchNorm2d(32))
@@ -220,7 +221,10 @@ def test_a_blocks_training_step_is_autograds(kind, stride, inplanes):
         return t.permute(0, 2, 3, 1).contiguous()
 
     out, saved = block_forward(block, nhwc(x), tune=False)
+    kept = [weakref.ref(s.conv_out) for s in saved]  # each batch norm's input: held by its Saved alone
+    assert [s.out is None for s in saved] == [False] * len(main_path(block)) + [True] * bool(down)
     dx, grads = block_backward(block, saved, nhwc(dy), tune=False)
+    assert saved == [None] * len(kept) and all(ref() is None for ref in kept)  # freed by the backward
     pairs = [(out.permute(0, 3, 1, 2), ref), (dx.permute(0, 3, 1, 2), xd.grad)]
     pairs += [(grads[p], q.grad) for p, q in zip(block.parameters(), ref_block.parameters())]
     assert len(grads) == len(list(block.parameters()))

@@ -7,7 +7,9 @@ torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(co
 conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.
 BasicBlock: out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), the stride on conv1.
 Convolutions without bias, as torchvision's. The two gradients at the block's input meet in conv1's data
-gradient's epilogue (as the cuDNN rung does), not in a pass of their own."""
+gradient's epilogue (as the cuDNN rung does), not in a pass of their own. The backward drops each convolution's
+saved tensors once it is done with them, as autograd frees saved variables, so that memory falls through the
+backward instead of peaking at its end with every activation still held."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,10 +35,11 @@ class Saved:
     conv_out: torch.Tensor  # the batch norm's input
     mean: torch.Tensor
     invstd: torch.Tensor
-    out: torch.Tensor  # the batch norm's output (after the ReLU, where it has one)
+    out: torch.Tensor | None  # the output after the ReLU (its sign is the mask); None without a ReLU (a downsample's,
+    #                           which only the block's add reads: not kept through the step)
 
 
-def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
+def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> tuple[torch.Tensor, Saved]:
     """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs; the batch norm's
     running statistics updated, as PyTorch's forward in training mode does."""
     c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
@@ -44,7 +47,7 @@ def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> Saved:
                                          residual=residual, relu=relu, tune=tune,
                                          running=(bn.running_mean, bn.running_var, bn.num_batches_tracked),
                                          momentum=bn.momentum)
-    return Saved(conv, bn, relu, x, c, mean, invstd, y)
+    return y, Saved(conv, bn, relu, x, c, mean, invstd, y if relu else None)
 
 
 def main_path(block) -> list[tuple]:
@@ -56,13 +59,13 @@ def main_path(block) -> list[tuple]:
 def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:
     """The block's output (NHWC, x's type) and what its backward needs (the main path's in order, then the
     downsample's); `block` a torchvision BasicBlock or Bottleneck."""
-    down = conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample else None
+    shortcut, down = conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample \
+        else (x, None)
     saved, h = [], x
     path = main_path(block)
     for i, (conv, bn) in enumerate(path):
-        last = i == len(path) - 1
-        saved.append(conv_bn(h, conv, bn, tune, residual=(down.out if down else x) if last else None))
-        h = saved[-1].out
+        h, s = conv_bn(h, conv, bn, tune, residual=shortcut if i == len(path) - 1 else None)
+        saved.append(s)
     return h, saved + ([down] if down else [])
 
 
@@ -88,12 +91,19 @@ def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_
 
 def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True, into: dict | None = None):
     """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter, written
-    into `into`'s tensors where it has one (conv_bn_backward)."""
+    into `into`'s tensors where it has one (conv_bn_backward). Each entry of `saved` is set to None once its
+    backward is done: with the caller's reference gone, its tensors are freed then."""
     grads: dict = {}
     last = len(main_path(block)) - 1
-    d, d_shortcut = conv_bn_backward(dy, saved[last], tune, grads, residual=True, into=into)
+
+    def through(i, d, **kw):
+        out = conv_bn_backward(d, saved[i], tune, grads, into=into, **kw)
+        saved[i] = None
+        return out
+
+    d, d_shortcut = through(last, dy, residual=True)
     if block.downsample:  # first, so that conv1's data gradient can add it in its epilogue
-        d_shortcut = conv_bn_backward(d_shortcut, saved[last + 1], tune, grads, into=into)
+        d_shortcut = through(last + 1, d_shortcut)
     for i in reversed(range(last)):
-        d = conv_bn_backward(d, saved[i], tune, grads, add=d_shortcut if i == 0 else None, into=into)
+        d = through(i, d, add=d_shortcut if i == 0 else None)
     return d, grads

@@ -6,14 +6,15 @@ Memory plan (what lives across the step, counted in `memory()`):
 - fp32 master weights, their gradients and the momentum: three flat buffers, every parameter a view of its slice,
   so that one SGD launch updates the network (kernels/triton/sgd.py);
 - for the backward, per convolution + batch norm (train_block.Saved): the convolution's input (the previous
-  output: one tensor, counted once), the batch norm's input, its output (whose sign is the ReLU's mask) and its
-  moments; the max-pool's positions (int8); the pooled features.
+  output: one tensor, counted once), the batch norm's input, its output where a ReLU reads its sign as the mask
+  (not a downsample's) and its moments; the max-pool's positions (int8); the pooled features. The backward drops
+  each block's once it has run through it (train_block.block_backward), so the step's peak is where the backward
+  starts, as autograd's is.
 
 Each gradient is written by its kernel into its slice of the flat buffer (copied there only where a gradient hook
 changed it), and the running statistics are updated by the batch norm's finalize kernel. Still done by torch around
 the kernels: packing each convolution's weights for the implicit GEMM every step (a permute and, in bf16, a cast,
-on the device: conv.pack_weights), the NHWC copy of an NCHW input, the weight gradients' sum over their slices
-(one reduction each, into the flat buffer), and the classifier's bias gradient.
+on the device: conv.pack_weights), the NHWC copy of an NCHW input, and the classifier's bias gradient.
 """
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ class TritonTrainStep:
         m, tune, scope = self.model, self.tune, self._scope
         with scope(STEM_PATH):
             x = x.permute(0, 2, 3, 1).to(self.dtype).contiguous()  # NHWC: a view of a channels_last fp32 input
-            stem = conv_bn(x, m.conv1, m.bn1, tune)
-            h, positions = max_pool_forward(stem.out)
+            h, stem = conv_bn(x, m.conv1, m.bn1, tune)
+            h, positions = max_pool_forward(h)
         saved_blocks = []
         for path, block in self.blocks:
             with scope(path):
@@ -83,9 +84,8 @@ class TritonTrainStep:
             logits = conv2d(features.view(n, 1, 1, c), fc, relu=False, tune=tune).view(n, -1)
         with scope("loss"):
             loss, dlogits = cross_entropy(logits, labels)
-        every_bn = [stem, *(s for saved in saved_blocks for s in saved)]
         if not self.steps:
-            self.saved_bytes = _bytes([positions, features, *every_bn])
+            self.saved_bytes = _bytes([positions, features, stem, *(s for saved in saved_blocks for s in saved)])
 
         grads: dict = {}
         with self._range("triton_step_backward"):
@@ -98,9 +98,9 @@ class TritonTrainStep:
                 dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1),
                                               tune=tune)
                 dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
-            for (path, block), saved in zip(reversed(self.blocks), reversed(saved_blocks)):
-                with scope(path):
-                    dh, block_grads = block_backward(block, saved, dh, tune, into=self.grad_of)
+            for path, block in reversed(self.blocks):
+                with scope(path):  # the block's saved tensors leave the list here, and go as block_backward runs
+                    dh, block_grads = block_backward(block, saved_blocks.pop(), dh, tune, into=self.grad_of)
                 grads.update(block_grads)
             with scope(STEM_PATH):
                 dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
@@ -174,5 +174,6 @@ def _bytes(saved: list) -> int:
     for item in saved:
         for t in ((item.inp, item.conv_out, item.mean, item.invstd, item.out)
                   if isinstance(item, Saved) else (item,)):
-            tensors[t.data_ptr()] = t.numel() * t.element_size()
+            if t is not None:
+                tensors[t.data_ptr()] = t.numel() * t.element_size()
     return sum(tensors.values())
