@@ -15,9 +15,10 @@ from kernels.triton.conv_backward import WEIGHT_GRAD_CONFIGS, conv2d_input_grad,
 # (kernel, stride, padding, input channels, output channels, input size): every convolution kind of a ResNet (the
 # stem's 7x7/2 over 3 channels, 3x3/1 and 3x3/2, 1x1/1 and the downsample's 1x1/2) at sizes that leave edges:
 # channel counts off the tiles, inputs the stride does not divide; and few channels over many pixels, which the
-# reduction cuts into slices (kernels/triton/split.py), the last one short.
+# reduction cuts into slices (kernels/triton/split.py), the last one short. The data gradient's phases (a stride
+# wider than the kernel, whose last phase no tap lands on; an even kernel over an odd input).
 CASES = [(7, 2, 3, 3, 20, 13), (3, 1, 1, 37, 19, 7), (3, 2, 1, 18, 33, 9), (1, 1, 0, 40, 24, 5), (1, 2, 0, 21, 35, 8),
-         (1, 1, 0, 5, 6, 23)]
+         (1, 1, 0, 5, 6, 23), (3, 4, 0, 5, 6, 10), (2, 2, 0, 4, 5, 9)]
 
 
 def autograd(x, weight, stride, pad):

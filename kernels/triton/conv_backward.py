@@ -3,9 +3,11 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
 
 - **Data gradient**, dx = the transposed convolution of dy. For a stride-1 convolution it is the forward
   convolution of dy with the weights flipped in space and their channel axes swapped, padded by KH-1-pad: the
-  forward kernel runs it. A strided convolution's dy is first spread onto the input's grid (each output pixel
-  where its window started, zeros between), after which the same holds; rows the forward's windows never reached
-  (when the stride does not divide the padded input) get zero gradient.
+  forward kernel runs it. A strided convolution's dx is cut into its stride x stride phases (the input pixels
+  (i * stride + a, j * stride + b)): on each, dx is a stride-1 convolution of dy with the kernel taps that land
+  there (a 3x3 at stride 2: 1x1, 1x2, 2x1 and 2x2 sub-kernels), run by the forward kernel and copied into the
+  phase's pixels. That is dy's work once, where spreading dy onto the input's grid (zeros between) did stride**2
+  times as much. Pixels no window reached, or no tap lands on (a 1x1's odd rows), get zero gradient.
 - **Weight gradient**, dW[r, s, c, k] = sum over output pixels p of x[window(p) + (r, s), c] * dy[p, k]: for each
   kernel tap (r, s), a GEMM [CIN x P] @ [P x COUT] whose reduction runs over the N*OH*OW output pixels.
   conv2d_weight_grad_kernel gathers x's rows at the tap's offset as the forward gathers its windows (zeros in the
@@ -13,11 +15,11 @@ a GEMM over the windows the forward's implicit GEMM walks (kernels/triton/conv.p
   (r, s, c) together instead, so that dy is read once per 64 of the KH*KW*CIN rows, not once per tap.
 
 The weight gradient's reduction over the output pixels is cut into slices so that the GPU fills (split.py), its
-tile autotuned as the forward's is (kernels/triton/tuning.py). Still a first version, correct before fast: the
-strided 3x3's data gradient materialises the spread dy (4x its bytes and its work at stride 2; a strided 1x1
-needs no spread: its dx is dy times W^T on the pixels it reads).
+tile autotuned as the forward's is (kernels/triton/tuning.py).
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -160,21 +162,50 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
                       precision: str = "ieee", tune: bool = True, add: torch.Tensor | None = None) -> torch.Tensor:
     """dx of a convolution, NHWC in dy's dtype: `dy` the NHWC gradient of its output, `weight` its [COUT, CIN, KH,
     KW] weights, `input_hw` its input's height and width. `add`: another gradient of the same input (a block's
-    shortcut), summed into dx in the epilogue in fp32 and rounded once, with no pass of its own."""
-    n, oh, ow, cout = dy.shape
+    shortcut), summed into dx: in the epilogue in fp32 and rounded once at stride 1, after the phases otherwise."""
     kh, kw = weight.shape[2:]
+    if stride == 1:  # the forward convolution of dy with the weights flipped and their channel axes swapped
+        packed = pack_weights(weight.transpose(0, 1).flip(2, 3), pad=kh - 1 - pad, dtype=dy.dtype)
+        return conv2d(dy, packed, residual=add, relu=False, precision=precision, tune=tune)
+    n = dy.shape[0]
     h, w = input_hw
-    if stride > 1 and (kh, kw, pad) == (1, 1, 0) and add is None:
-        # A downsample reads every stride-th pixel and nothing else: its dx there is dy times W^T, zero elsewhere (a
-        # quarter of the spread path's work at stride 2).
-        dx = dy.new_zeros((n, h, w, weight.shape[1]))
-        dx[:, ::stride, ::stride] = conv2d(dy, pack_weights(weight.transpose(0, 1), dtype=dy.dtype), relu=False,
-                                           precision=precision, tune=tune)
-        return dx
-    if stride > 1:  # onto the (padded) input's grid of window starts: the rest, the edge's included, stays zero
-        spread = dy.new_zeros((n, h + 2 * pad - kh + 1, w + 2 * pad - kw + 1, cout))
-        spread[:, ::stride, ::stride] = dy
-        dy = spread
-    flipped = weight.transpose(0, 1).flip(2, 3)
-    packed = pack_weights(flipped, pad=kh - 1 - pad, dtype=dy.dtype)
-    return conv2d(dy, packed, residual=add, relu=False, precision=precision, tune=tune)
+    swapped = weight.transpose(0, 1)  # [CIN, COUT, KH, KW]
+    dx = dy.new_empty((n, h, w, weight.shape[1]))
+    for r in _phases(kh, stride, pad, h):
+        for c in _phases(kw, stride, pad, w):
+            region = dx[:, r.phase::stride, c.phase::stride]
+            if not (r.taps and c.taps):  # no tap of the kernel lands on this phase (a 1x1's odd rows)
+                region.zero_()
+                continue
+            p = max(len(r.taps), len(c.taps)) - 1  # the kernel takes one padding for both axes
+            part = conv2d(dy, pack_weights(swapped[:, :, r.taps][:, :, :, c.taps], pad=p, dtype=dy.dtype),
+                          relu=False, precision=precision, tune=tune)
+            top, left = r.q + p - (len(r.taps) - 1), c.q + p - (len(c.taps) - 1)  # where row and column 0 are
+            nr, nc = max(0, min(r.count, part.shape[1] - top)), max(0, min(c.count, part.shape[2] - left))
+            region[:, :nr, :nc] = part[:, top:top + nr, left:left + nc]
+            region[:, nr:].zero_()  # rows past dy's reach (the forward's windows never read them)
+            region[:, :, nc:].zero_()
+    return dx if add is None else dx.add_(add)
+
+
+class _Phase(NamedTuple):
+    """The input rows i * stride + phase of a strided convolution's data gradient, along one axis: there dx is a
+    stride-1 cross-correlation of dy with the kernel rows `taps` (in the order it applies them), whose output row
+    i + q + pad - (len(taps) - 1) is input row i's, under the padding `pad` it runs with; `count` such rows."""
+    phase: int
+    taps: list[int]
+    q: int
+    count: int
+
+
+def _phases(k: int, stride: int, pad: int, size: int) -> list[_Phase]:
+    """One axis of a strided convolution's data gradient cut into its `stride` phases (the sub-pixel decomposition):
+    input row ih = i * stride + a takes kernel rows r0, r0 + stride, ... (r0 = (a + pad) mod stride) from output
+    rows i + q, i + q - 1, ... (q = (a + pad - r0) / stride). The work is then dy's once over, not the stride**2
+    times of a zero-interleaved dy."""
+    phases = []
+    for a in range(stride):
+        r0 = (a + pad) % stride
+        phases.append(_Phase(a, list(range(r0, k, stride))[::-1], (a + pad - r0) // stride,
+                             (size - a + stride - 1) // stride))
+    return phases
