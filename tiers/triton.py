@@ -293,9 +293,11 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     convolution: aten.convolution and its backward) and, for the batch norm, PyTorch's kernel and Inductor's
     (torch.compile of the same op). `bench(fn)` -> ms. Each of our passes' relative error against PyTorch's in the
     row (fp32 norms), so that a fast wrong kernel shows. The stem's data gradient is left out: the step computes no
-    gradient for the images. Weights are packed before the timing, as cuDNN's are laid out before it."""
+    gradient for the images. Weights are packed before the timing, as cuDNN's are laid out before it. As in the
+    step, our forward's epilogue writes the batch norm's partial moments and our batch norm forward starts from
+    them, where PyTorch's and Inductor's compute their own: compare the two passes' sum there."""
     from kernels.triton import batch_norm  # Triton: only where it runs
-    from kernels.triton.conv import conv2d, pack_weights
+    from kernels.triton.conv import conv2d_moments, pack_weights
     from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
 
     tdt, g = torch_dtype(dtype), torch.Generator(device=device).manual_seed(0)
@@ -319,19 +321,19 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
         packed = pack_weights(weight, stride, pad, dtype=tdt)
 
         def ours_forward():
-            return conv2d(x, packed, relu=False)
+            return conv2d_moments(x, packed)
 
-        c = ours_forward()  # the batch norm's input
+        c, moments = ours_forward()  # the batch norm's input and its partial moments
         c_t = c.permute(0, 3, 1, 2)
-        _, mean, invstd = batch_norm.forward(c, gamma, beta)
+        _, mean, invstd = batch_norm.forward(c, gamma, beta, moments=moments)
         passes = {  # name: (ours, PyTorch's, what ours returns against what PyTorch's does)
             "forward": (ours_forward, lambda: F.conv2d(x_t, w_t, None, stride, pad),
-                        lambda o, t: (o.permute(0, 3, 1, 2), t)),
+                        lambda o, t: (o[0].permute(0, 3, 1, 2), t)),
             "dgrad": (lambda: conv2d_input_grad(dy, weight, stride, pad, (h, w)),
                       lambda: torch_conv_grad([True, False, False])[0], lambda o, t: (o.permute(0, 3, 1, 2), t)),
             "wgrad": (lambda: conv2d_weight_grad(x, dy, k, k, stride, pad),
                       lambda: torch_conv_grad([False, True, False])[1], lambda o, t: (o, t)),
-            "bn forward": (lambda: batch_norm.forward(c, gamma, beta)[0],
+            "bn forward": (lambda: batch_norm.forward(c, gamma, beta, moments=moments)[0],
                            lambda: F.batch_norm(c_t, None, None, gamma, beta, training=True),
                            lambda o, t: (o.permute(0, 3, 1, 2), t)),
             "bn backward": (lambda: batch_norm.backward(dy, c, mean, invstd, gamma)[0],

@@ -15,8 +15,10 @@ channel is a column, so a program owns a block of columns and walks the rows; th
 block's mean and centred squares merged into the running ones (Chan et al.), so that a large mean does not cancel the
 variance.
 
-The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py), their row block tuned;
-nothing is fused into the convolutions yet (docs/notes/cudnn-training.md counts what fusion saves).
+The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py), their row block tuned.
+In the training step the forward's moments come from the convolution's epilogue instead (conv.conv2d_moments: a
+slice per row of output tiles), merged by the same finalize kernel; docs/notes/cudnn-training.md counts what fusion
+saves.
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import tuning
+from kernels.triton.conv import Moments
 from kernels.triton.split import row_slices
 
 BLOCK_P, BLOCK_C = 32, 64  # 64 columns: a 128-byte row of a bf16 tile; BLOCK_P rows: the untuned row block
@@ -219,11 +222,13 @@ def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor
 
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
             residual: torch.Tensor | None = None, relu: bool = False, tune: bool = True,
-            running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1):
+            running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1,
+            moments: Moments | None = None):
     """y = [relu](bn(x) [+ residual]) in x's type, and the batch's mean and invstd (fp32, per channel) that backward
     needs: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. `running`: the module's
-    running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does."""
-    stats = _statistics(x, tune, gamma, beta, eps, running, momentum)
+    running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does. `moments`:
+    x's partial moments where its producer wrote them (conv.conv2d_moments), else the moments kernel reads x."""
+    stats = _statistics(x, tune, gamma, beta, eps, running, momentum, moments)
     return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu), stats.mean, stats.invstd
 
 
@@ -277,15 +282,19 @@ class Statistics(NamedTuple):
 
 def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, beta: torch.Tensor | None = None,
                 eps: float = 0.0, running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                momentum: float = 0.1) -> Statistics:
-    """The per-channel statistics of NHWC `x`: each slice's mean and M2 from the moments kernel, merged by the
-    finalize kernel, which also gives the affine map (with `gamma` and `beta`) and updates `running`."""
+                momentum: float = 0.1, moments: Moments | None = None) -> Statistics:
+    """The per-channel statistics of NHWC `x`: each slice's mean and M2 (`moments`, or from the moments kernel),
+    merged by the finalize kernel, which also gives the affine map (with `gamma` and `beta`) and updates `running`."""
     c = x.shape[-1]
     p = x.numel() // c
-    slices, rows = _slices(x, tune)
-    means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
-    tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
-                  UNTUNED)
+    if moments is None:
+        slices, rows = _slices(x, tune)
+        means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+        tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
+                      UNTUNED)
+    else:
+        means, m2, rows = moments
+        slices = triton.cdiv(p, rows)
     mean = _channels(c, x.device)
     affine = gamma is not None
     invstd, scale, shift = (_channels(c, x.device) for _ in range(3)) if affine else (None, None, None)

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels.triton import batch_norm
-from kernels.triton.conv import conv2d, pack_weights
+from kernels.triton.conv import Moments, conv2d_moments, pack_weights
 from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
 
 
-def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> torch.Tensor:
-    return conv2d(x, pack_weights(weight, stride, pad, dtype=x.dtype), relu=False, tune=tune)
+def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> tuple[torch.Tensor, Moments]:
+    """The convolution and its output's partial moments, for the batch norm after it."""
+    return conv2d_moments(x, pack_weights(weight, stride, pad, dtype=x.dtype), tune=tune)
 
 
 @dataclass
@@ -42,11 +43,11 @@ class Saved:
 def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> tuple[torch.Tensor, Saved]:
     """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs; the batch norm's
     running statistics updated, as PyTorch's forward in training mode does."""
-    c = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
+    c, moments = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
     y, mean, invstd = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
                                          residual=residual, relu=relu, tune=tune,
                                          running=(bn.running_mean, bn.running_var, bn.num_batches_tracked),
-                                         momentum=bn.momentum)
+                                         momentum=bn.momentum, moments=moments)
     return y, Saved(conv, bn, relu, x, c, mean, invstd, y if relu else None)
 
 

@@ -98,7 +98,7 @@ def launch(kernel, grid, args, tune: bool, fixed: dict, pdl: bool = False):
     else (tuning off, or the interpreter without a table entry) its plain JIT function with `fixed`, a dict of
     meta-parameters plus num_warps/num_stages. `pdl`: launched as a programmatic dependent launch, the kernel
     compiled with its GDC flag (kernels/triton/pdl.py). While a forward is recorded (kernels/triton/plan.py), the
-    launch is noted with the meta-parameters it ran (`chosen`)."""
+    launch is noted with the meta-parameters it ran (`chosen`), which are returned."""
     dependent = {"GDC": True, "launch_pdl": True} if pdl else {}
     STATS["launches"] += 1
     config = None
@@ -120,3 +120,4 @@ def launch(kernel, grid, args, tune: bool, fixed: dict, pdl: bool = False):
         compiled = kernel.fn[grid](*args, **fixed, **dependent)
     if plan.RECORDING is not None:
         plan.note(compiled, kernel.fn, grid, args, {**chosen, **dependent})
+    return chosen
