@@ -351,3 +351,32 @@ def test_tier_forward(model, channels_last, pairs):
     # each block's convolutions, the downsample fused in
     blocks = {"resnet50": 16 * 3, "resnet18": 8 * 2}[model]
     assert built.stats["launches_per_forward"] == 5 + blocks - (13 + 6 if pairs == "on" else 0)
+
+
+@pytest.mark.quick
+def test_every_shipped_tuning_key_has_the_shape_its_kernel_builds():
+    """A shipped table's key is the kernel, its key arguments' values and its tensor arguments' dtypes
+    (kernels/triton/tuning.py table_key). A kernel that gains a key or a pointer argument changes every key it
+    builds, and a table left as it was would silently stop serving: each key here must have as many values as
+    the kernel's key and as many dtypes as it has pointer arguments."""
+    import importlib
+    import json
+    import pkgutil
+
+    import kernels.triton
+    from tests.conftest import REPO
+
+    kernels_by_name = {}
+    for module in pkgutil.iter_modules(kernels.triton.__path__):
+        for name, obj in vars(importlib.import_module(f"kernels.triton.{module.name}")).items():
+            if hasattr(obj, "keys") and hasattr(obj, "fn"):  # an autotuned Triton kernel
+                kernels_by_name[name] = obj
+    wrong = []
+    for table in sorted((REPO / "kernels" / "tunings").glob("*/triton.json")):
+        for key in json.loads(table.read_text())["configs"]:
+            name, values, dtypes = key.split("|")
+            kernel = kernels_by_name[name]
+            pointers = [a for a in kernel.fn.arg_names if a.endswith("_ptr")]
+            if len(values.split(",")) != len(kernel.keys) or len(dtypes.split(",")) != len(pointers):
+                wrong.append(f"{table.parent.name}: {key}")
+    assert kernels_by_name and not wrong, wrong[:5]
