@@ -270,3 +270,30 @@ def test_the_triton_rung_trains_within_parity_and_every_training_mutant_fails(mo
     rows = training_rows(MutationConfig(model="resnet50", device="cuda", rungs=("triton",),
                                         train_dtypes=("fp32", "bf16"), train_batch=8, train_res=64))
     assert caught(rows) and len(rows) == 10, [(r["dtype"], r["mutant"], r["ok"], r["reason"]) for r in rows]
+
+
+@pytest.mark.gpu
+def test_the_triton_training_steps_peak_memory_is_at_most_eagers():
+    """Issue 60's bar, at its cell (ResNet-50, bf16, batch 256, 224 px): the torch allocator's peak over 3 steps
+    after a reset, as the ladder's memory pass takes it, for the triton step (each block's saved tensors freed as
+    the backward passes it: kernels/triton/train_block.py) and for eager's. Untuned configurations (autotune off):
+    the tiles change the time, not what is kept."""
+    from core.cell import Cell, Store
+    from tiers import get_tier
+
+    x = torch.randn(256, 3, 224, 224, generator=torch.Generator().manual_seed(0)).cuda()
+    peaks = {}
+    for rung, options in (("eager", ()), ("triton", (("autotune", "off"),))):
+        cell = Cell(tier=rung, model="resnet50", batch=256, res=224, dtype="bf16", channels_last=True,
+                    device="cuda", task="train", options=options)
+        step = get_tier(rung).build_train(build_model("resnet50").train(), x, cell, Store())
+        step.forward(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            step.forward(x)
+        torch.cuda.synchronize()
+        peaks[rung] = torch.cuda.max_memory_allocated()
+        del step
+        torch.cuda.empty_cache()
+    assert peaks["triton"] <= peaks["eager"], {k: f"{v / 2**30:.2f} GiB" for k, v in peaks.items()}
