@@ -39,16 +39,15 @@ def _weight_grad_config(block_c, block_k, block_p, warps, stages):
 
 # dW tiles from the fixed first version's 64 x 64 over 32 pixels up to 128 x 256 over 64, pipelined: each pixel block
 # is a [BLOCK_C x BLOCK_P] @ [BLOCK_P x BLOCK_K] dot, so wider tiles reuse each loaded row more. Every tap reads both
-# operands again (from L2), so a tile's FLOPs per byte, C*K/(C+K), bound it: 64 x 128 tiles ran at about 200
-# TFLOP/s where cuDNN's reach 550 (docs/notes/triton-training.md).
+# operands again (from L2), so a tile's FLOPs per byte, C*K/(C+K), bound it (docs/notes/triton-training.md).
 WEIGHT_GRAD_CONFIGS = [_weight_grad_config(c, k, bp, w, st) for c, k, bp, w, st in (
     (64, 64, 32, 4, 3), (64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 32, 8, 3),
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3))]
 # The slices are cut as if for this square tile, whichever tile runs, so that the grid's slice axis and the partials'
 # buffer do not depend on the configuration while the widest tiles still fill the GPU.
 SLICE_TILE = 128
-# The partials' sum: elements per program (with 16 slices at once, 16 KB of loads in flight). torch.sum over the
-# slice axis into the permuted layout ran at about 0.7 TB/s (2.7 ms a step, docs/notes/triton-training.md).
+# The partials' sum: elements per program (with 16 slices at once, 16 KB of loads in flight; torch.sum over the slice
+# axis, into the permuted layout, reached a fraction of the bandwidth: docs/notes/triton-training.md).
 SUM_BLOCK = 256
 # A slice's rows are a multiple of the largest BLOCK_P, so that every configuration walks them whole.
 SLICE_ROWS = max(c.kwargs["BLOCK_P"] for c in WEIGHT_GRAD_CONFIGS)
