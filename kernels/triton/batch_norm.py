@@ -9,7 +9,8 @@ Triton (issue 60). Per channel c, over the P = N*H*W values of the batch:
 Both directions are a per-channel reduction (a pass over the batch), a finalize over its slices' partials (one small
 launch per direction: the statistics, the running ones' update, the affine map's coefficients and the parameters'
 gradients, where torch's reductions and arithmetic took about thirty launches) and then a per-channel affine map of
-one or two tensors (another pass): `forward`'s y = a*x + b (with a block's residual added and its ReLU where asked),
+one or two tensors (another pass): `forward`'s y = a*x + b (with a block's residual added, itself another batch
+norm's map where it is a downsample's (`Normalized`, never written), and its ReLU where asked),
 `backward`'s dx = k1*dy + k2*x + k3 (dy through the ReLU first, its mask read from the forward's output). In NHWC a
 channel is a column, so a program owns a block of columns and walks the rows; the moments in one pass, each row
 block's mean and centred squares merged into the running ones (Chan et al.), so that a large mean does not cancel the
@@ -220,16 +221,41 @@ def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor
     return out
 
 
+class Normalized(NamedTuple):
+    """A batch norm's output left unapplied, scale * x + shift per channel (fp32 [C] each), for the kernel that reads
+    it to apply: a block's downsample, whose output only the block's add reads, is never written."""
+    x: torch.Tensor
+    scale: torch.Tensor
+    shift: torch.Tensor
+
+
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
-            residual: torch.Tensor | None = None, relu: bool = False, tune: bool = True,
+            residual: torch.Tensor | Normalized | None = None, relu: bool = False, tune: bool = True,
             running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1,
             moments: Moments | None = None):
     """y = [relu](bn(x) [+ residual]) in x's type, and the batch's mean and invstd (fp32, per channel) that backward
     needs: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. `running`: the module's
     running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does. `moments`:
-    x's partial moments where its producer wrote them (conv.conv2d_moments), else the moments kernel reads x."""
-    stats = _statistics(x, tune, gamma, beta, eps, running, momentum, moments)
-    return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu), stats.mean, stats.invstd
+    x's partial moments where its producer wrote them (conv.conv2d_moments), else the moments kernel reads x.
+    `residual`: a tensor, or another batch norm's Normalized output, applied in the same pass."""
+    stats = statistics(x, gamma, beta, eps, tune, running, momentum, moments)
+    return apply(x, stats, residual, relu), stats.mean, stats.invstd
+
+
+def statistics(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5, tune: bool = True,
+               running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1,
+               moments: Moments | None = None) -> Statistics:
+    """forward's statistics without its pass over x: the mean, invstd and the affine map (`Statistics`), the
+    running statistics updated."""
+    return _statistics(x, tune, gamma, beta, eps, running, momentum, moments)
+
+
+def apply(x: torch.Tensor, stats: Statistics, residual: torch.Tensor | Normalized | None = None,
+          relu: bool = False) -> torch.Tensor:
+    """forward's pass: stats' affine map of x, the residual added (a Normalized one mapped on the way), the ReLU."""
+    if isinstance(residual, Normalized):
+        return _affine(x, stats.scale, stats.shift + residual.shift, v=residual.x, k2=residual.scale, relu=relu)
+    return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu)
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,

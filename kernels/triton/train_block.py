@@ -40,15 +40,16 @@ class Saved:
     #                           which only the block's add reads: not kept through the step)
 
 
-def conv_bn(x, conv, bn, tune, residual=None, relu=True) -> tuple[torch.Tensor, Saved]:
+def conv_bn(x, conv, bn, tune, residual=None, relu=True, deferred=False) -> tuple[torch.Tensor, Saved]:
     """relu(bn(conv(x)) [+ residual]) on the batch's statistics, and what its backward needs; the batch norm's
-    running statistics updated, as PyTorch's forward in training mode does."""
+    running statistics updated, as PyTorch's forward in training mode does. `deferred` (no ReLU): the batch norm's
+    map left for its reader to apply, returned as a batch_norm.Normalized instead of a tensor."""
     c, moments = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
-    y, mean, invstd = batch_norm.forward(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
-                                         residual=residual, relu=relu, tune=tune,
-                                         running=(bn.running_mean, bn.running_var, bn.num_batches_tracked),
-                                         momentum=bn.momentum, moments=moments)
-    return y, Saved(conv, bn, relu, x, c, mean, invstd, y if relu else None)
+    stats = batch_norm.statistics(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps, tune,
+                                  (bn.running_mean, bn.running_var, bn.num_batches_tracked), bn.momentum, moments)
+    y = batch_norm.Normalized(c, stats.scale, stats.shift) if deferred else \
+        batch_norm.apply(c, stats, residual, relu)
+    return y, Saved(conv, bn, relu, x, c, stats.mean, stats.invstd, y if relu else None)
 
 
 def main_path(block) -> list[tuple]:
@@ -60,8 +61,8 @@ def main_path(block) -> list[tuple]:
 def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:
     """The block's output (NHWC, x's type) and what its backward needs (the main path's in order, then the
     downsample's); `block` a torchvision BasicBlock or Bottleneck."""
-    shortcut, down = conv_bn(x, block.downsample[0], block.downsample[1], tune, relu=False) if block.downsample \
-        else (x, None)
+    # a downsample's batch norm is applied by the last one's pass, which adds it: its output is never written
+    shortcut, down = conv_bn(x, *block.downsample, tune, relu=False, deferred=True) if block.downsample else (x, None)
     saved, h = [], x
     path = main_path(block)
     for i, (conv, bn) in enumerate(path):
