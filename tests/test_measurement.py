@@ -273,10 +273,12 @@ def test_chain_tune_leaves_the_keys_another_dtype_shares():
     from bench.chain_tune import own_keys
 
     shape = "conv2d_nhwc_kernel|49,7,7,512,2048,1,1,1,tf32,0,0|"
-    e4m3 = shape + "float8_e4m3fn,float8_e4m3fn,float32,bfloat16,bfloat16,float32,float32,int32,float32,float32"
-    e4m3_from_bf16 = shape + ("bfloat16,float8_e4m3fn,float32,float8_e4m3fn,float8_e4m3fn,float32,float32,int32,"
-                              "float32,float32")
-    bf16 = shape + "bfloat16,bfloat16,float32,bfloat16,bfloat16,float32,float32,int32,float32,float32"
+    tail = ",float32,float32,{y},{y},float32,float32"  # the statistics' pointers (conv._conv2d: y's type where unused)
+    e4m3 = shape + "float8_e4m3fn,float8_e4m3fn,float32,bfloat16,bfloat16,float32,float32,int32" + tail.format(
+        y="bfloat16")
+    e4m3_from_bf16 = shape + "bfloat16,float8_e4m3fn,float32,float8_e4m3fn,float8_e4m3fn,float32,float32,int32" + \
+        tail.format(y="float8_e4m3fn")
+    bf16 = shape + "bfloat16,bfloat16,float32,bfloat16,bfloat16,float32,float32,int32" + tail.format(y="bfloat16")
     assert own_keys([e4m3, e4m3_from_bf16, bf16], "fp8") == [e4m3, e4m3_from_bf16]
     assert own_keys([e4m3, e4m3_from_bf16, bf16], "bf16") == [bf16]
 

@@ -201,7 +201,7 @@ def test_a_blocks_training_step_is_autograds(kind, stride, inplanes):
 
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
-    from kernels.triton.train_block import block_backward, block_forward, main_path
+    from kernels.triton.train_block import Grad, block_backward, block_forward, main_path
 
     torch.manual_seed(0)
     down = (torch.nn.Sequential(torch.nn.Conv2d(inplanes, 32, 1, stride, bias=False), torch.nn.BatchNorm2d(32))
@@ -224,7 +224,8 @@ def test_a_blocks_training_step_is_autograds(kind, stride, inplanes):
     out, saved = block_forward(block, nhwc(x), tune=False)
     kept = [weakref.ref(s.conv_out) for s in saved]  # each batch norm's input: held by its Saved alone
     assert [s.out is None for s in saved] == [False] * len(main_path(block)) + [True] * bool(down)
-    dx, grads = block_backward(block, saved, nhwc(dy), tune=False)
+    dx, grads = block_backward(block, saved, Grad(nhwc(dy)), tune=False)
+    dx = dx.d
     assert saved == [None] * len(kept) and all(ref() is None for ref in kept)  # freed by the backward
     pairs = [(out.permute(0, 3, 1, 2), ref), (dx.permute(0, 3, 1, 2), xd.grad)]
     pairs += [(grads[p], q.grad) for p, q in zip(block.parameters(), ref_block.parameters())]

@@ -297,7 +297,7 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     step, our forward's epilogue writes the batch norm's partial moments and our batch norm forward starts from
     them, where PyTorch's and Inductor's compute their own: compare the two passes' sum there."""
     from kernels.triton import batch_norm  # Triton: only where it runs
-    from kernels.triton.conv import conv2d_moments, pack_weights
+    from kernels.triton.conv import conv2d_stats, pack_weights
     from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
 
     tdt, g = torch_dtype(dtype), torch.Generator(device=device).manual_seed(0)
@@ -321,7 +321,7 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
         packed = pack_weights(weight, stride, pad, dtype=tdt)
 
         def ours_forward():
-            return conv2d_moments(x, packed)
+            return conv2d_stats(x, packed)
 
         c, moments = ours_forward()  # the batch norm's input and its partial moments
         c_t = c.permute(0, 3, 1, 2)

@@ -17,9 +17,10 @@ block's mean and centred squares merged into the running ones (Chan et al.), so 
 variance.
 
 The reductions cut the rows into slices so that the GPU fills (kernels/triton/split.py), their row block tuned.
-In the training step the forward's moments come from the convolution's epilogue instead (conv.conv2d_moments: a
-slice per row of output tiles), merged by the same finalize kernel; docs/notes/cudnn-training.md counts what fusion
-saves.
+In the training step both reductions come from a convolution's epilogue where they can (conv.conv2d_stats, a slice
+per row of output tiles): the forward's moments from the convolution that produces x, the backward's sums from the
+data gradient that produces dy; the same finalize kernels merge them. docs/notes/cudnn-training.md counts what
+fusion saves.
 tests/test_triton_backward.py holds both against PyTorch's autograd."""
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import tuning
-from kernels.triton.conv import Moments
+from kernels.triton.conv import TileStats
 from kernels.triton.split import row_slices
 
 BLOCK_P, BLOCK_C = 32, 64  # 64 columns: a 128-byte row of a bf16 tile; BLOCK_P rows: the untuned row block
@@ -232,11 +233,11 @@ class Normalized(NamedTuple):
 def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5,
             residual: torch.Tensor | Normalized | None = None, relu: bool = False, tune: bool = True,
             running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1,
-            moments: Moments | None = None):
+            moments: TileStats | None = None):
     """y = [relu](bn(x) [+ residual]) in x's type, and the batch's mean and invstd (fp32, per channel) that backward
     needs: `x` NHWC contiguous, `gamma` and `beta` fp32 [C]. `running`: the module's
     running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does. `moments`:
-    x's partial moments where its producer wrote them (conv.conv2d_moments), else the moments kernel reads x.
+    x's partial moments where its producer wrote them (conv.conv2d_stats), else the moments kernel reads x.
     `residual`: a tensor, or another batch norm's Normalized output, applied in the same pass."""
     stats = statistics(x, gamma, beta, eps, tune, running, momentum, moments)
     return apply(x, stats, residual, relu), stats.mean, stats.invstd
@@ -244,7 +245,7 @@ def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
 
 def statistics(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5, tune: bool = True,
                running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1,
-               moments: Moments | None = None) -> Statistics:
+               moments: TileStats | None = None) -> Statistics:
     """forward's statistics without its pass over x: the mean, invstd and the affine map (`Statistics`), the
     running statistics updated."""
     return _statistics(x, tune, gamma, beta, eps, running, momentum, moments)
@@ -260,18 +261,23 @@ def apply(x: torch.Tensor, stats: Statistics, residual: torch.Tensor | Normalize
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
              y: torch.Tensor | None = None, residual: bool = False, tune: bool = True,
-             dgamma: torch.Tensor | None = None, dbeta: torch.Tensor | None = None):
+             dgamma: torch.Tensor | None = None, dbeta: torch.Tensor | None = None, sums: TileStats | None = None):
     """dx (dy's type), dgamma and dbeta (fp32) of forward's output gradient `dy` (NHWC, x's shape); with `y`, the
     output of a forward with relu, the gradient goes through its ReLU first; with `residual`, also the residual's
     gradient (dy through the ReLU), returned last. `dgamma`, `dbeta`: where to write those gradients (views of a
-    flat gradient buffer), else new tensors."""
+    flat gradient buffer), else new tensors. `sums`: dy's partial sums (through the ReLU) and of dy times xhat
+    where its producer wrote them (conv.conv2d_stats with the batch norm's BatchNormSaved), else a pass reads dy."""
     c = x.shape[-1]
     p = x.numel() // c
-    slices, rows = _slices(x, tune)
-    sum_dy, sum_dy_xhat = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
-    tuning.launch(_grad_sums_kernel, (triton.cdiv(c, BLOCK_C), slices),
-                  (dy, x, dy if y is None else y, mean, invstd, sum_dy, sum_dy_xhat, p, c, rows, y is not None,
-                   BLOCK_C), tune, UNTUNED)
+    if sums is None:
+        slices, rows = _slices(x, tune)
+        sum_dy, sum_dy_xhat = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+        tuning.launch(_grad_sums_kernel, (triton.cdiv(c, BLOCK_C), slices),
+                      (dy, x, dy if y is None else y, mean, invstd, sum_dy, sum_dy_xhat, p, c, rows, y is not None,
+                       BLOCK_C), tune, UNTUNED)
+    else:
+        sum_dy, sum_dy_xhat, rows = sums
+        slices = triton.cdiv(p, rows)
     dgamma = _channels(c, x.device) if dgamma is None else dgamma
     dbeta = _channels(c, x.device) if dbeta is None else dbeta
     k1, k2, k3 = (_channels(c, x.device) for _ in range(3))
@@ -308,7 +314,7 @@ class Statistics(NamedTuple):
 
 def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, beta: torch.Tensor | None = None,
                 eps: float = 0.0, running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                momentum: float = 0.1, moments: Moments | None = None) -> Statistics:
+                momentum: float = 0.1, moments: TileStats | None = None) -> Statistics:
     """The per-channel statistics of NHWC `x`: each slice's mean and M2 (`moments`, or from the moments kernel),
     merged by the finalize kernel, which also gives the affine map (with `gamma` and `beta`) and updates `running`."""
     c = x.shape[-1]

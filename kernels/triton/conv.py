@@ -35,9 +35,11 @@ the counter to zero for the next launch. One kernel still, no memset and no sepa
 workspace and counters are shared by every launch on a device, which is sound because launches on one stream run
 one after another.
 
-With STATS (a training step's convolution before its batch norm), the epilogue also writes each tile's mean and
-centred sum of squares per channel over its rows, of the values as stored: the batch norm's moments come from the
-convolution, with no pass of their own over its output (kernels/triton/batch_norm.py merges them).
+A training step's convolution also writes two statistics per channel of the tile it has just stored (STATS,
+over the tile's rows, of the values as stored), so that a batch norm's reductions need no pass of their own over
+that tensor (kernels/triton/batch_norm.py merges them): "moments", the tile's mean and centred sum of squares,
+where the output is a batch norm's input; "grad_sums", where the output is the gradient of a batch norm's
+(ReLU'd) output: its sum through the ReLU, and that times the batch norm's normalised input.
 """
 from __future__ import annotations
 
@@ -190,14 +192,27 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, ou
 
 
 @triton.jit
-def _tile_moments(out, m_ok, n_ok, pid_m, offs_n, M, COUT, mean_ptr, m2_ptr, BLOCK_M: tl.constexpr):
-    """The stored tile's mean and sum of centred squares (M2) per channel over its output pixels, into row pid_m of
-    [cdiv(M, BLOCK_M), COUT]: the batch norm's partial moments, a slice of BLOCK_M rows as its moments kernel's."""
+def _tile_stats(out, offs_m, offs_n, m_ok, n_ok, pid_m, M, COUT, a_ptr, b_ptr, bn_x_ptr, gate_ptr, bn_mean_ptr,
+                bn_invstd_ptr, STATS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Two statistics per channel of the stored tile over its output pixels, into row pid_m of a and b (fp32
+    [cdiv(M, BLOCK_M), COUT]), as a batch norm's reduction kernels write a slice of BLOCK_M rows. "moments": the
+    mean and sum of centred squares (M2). "grad_sums": the tile is the gradient of relu(bn(x)), gated by that
+    output (`gate`) and its sum, and its sum times xhat = (x - mean) * invstd of the batch norm's input x."""
     v = tl.where(m_ok[:, None], out.to(tl.float32), 0.0)
-    mean = tl.sum(v, 0) / tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
-    centred = tl.where(m_ok[:, None], v - mean[None, :], 0.0)
-    tl.store(mean_ptr + pid_m * COUT + offs_n, mean, mask=n_ok)
-    tl.store(m2_ptr + pid_m * COUT + offs_n, tl.sum(centred * centred, 0), mask=n_ok)
+    if STATS == "moments":
+        a = tl.sum(v, 0) / tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
+        centred = tl.where(m_ok[:, None], v - a[None, :], 0.0)
+        b = tl.sum(centred * centred, 0)
+    else:
+        at, ok = _output_tile(offs_m, offs_n, M, COUT)
+        v = tl.where(tl.load(gate_ptr + at, mask=ok, other=0.0) > 0, v, 0.0)
+        mean = tl.load(bn_mean_ptr + offs_n, mask=n_ok, other=0.0)
+        invstd = tl.load(bn_invstd_ptr + offs_n, mask=n_ok, other=0.0)
+        xhat = (tl.load(bn_x_ptr + at, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * invstd[None, :]
+        a = tl.sum(v, 0)
+        b = tl.sum(v * xhat, 0)
+    tl.store(a_ptr + pid_m * COUT + offs_n, a, mask=n_ok)
+    tl.store(b_ptr + pid_m * COUT + offs_n, b, mask=n_ok)
 
 
 @triton.jit
@@ -310,16 +325,18 @@ def conv2d_nhwc_kernel(
         scale_ptr, a_inv, out_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the
                                     # input's scale; 1 / the output's (y in e4m3)
         part_ptr, count_ptr,  # split-K: fp32 partial tiles [SPLIT_K, tiles, BLOCK_M, BLOCK_N]; int32 counters [tiles]
-        mean_ptr, m2_ptr,  # STATS: each row of tiles' mean and M2 per channel, fp32 [cdiv(M, BLOCK_M), COUT]
+        a_ptr, b_ptr,  # STATS: each row of tiles' two statistics per channel, fp32 [cdiv(M, BLOCK_M), COUT]
+        bn_x_ptr, gate_ptr, bn_mean_ptr, bn_invstd_ptr,  # "grad_sums": the batch norm's input, ReLU'd output (both
+                                                         # as y) and moments (fp32 [COUT])
         KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
         HAS_RES: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,  # PRECISION: "ieee" (fp32) or "tf32"
         FP8: tl.constexpr, W_KMAJOR: tl.constexpr, SC_STRIDE: tl.constexpr,  # SC_STRIDE 0: no shortcut
         K_ALIGN: tl.constexpr,  # a power of two (at most 128) dividing KW * CIN and SC_CIN
-        STATS: tl.constexpr,  # the tile's moments too (_tile_moments)
+        STATS: tl.constexpr,  # "none", "moments" or "grad_sums" (_tile_stats)
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
         GROUP_M: tl.constexpr = 8, GDC: tl.constexpr = False):
     tl.static_assert(SC_STRIDE == 0 or not (HAS_RES or FP8), "a shortcut replaces the residual; bf16/fp32 only")
-    tl.static_assert(not (STATS and FP8), "moments of the values as stored: bf16/fp32 outputs only")
+    tl.static_assert(STATS == "none" or not FP8, "statistics of the values as stored: bf16/fp32 outputs only")
     # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
     # programs running together share the same weight tiles (and neighbouring input rows) in L2.
     # (Each integer division by a runtime size is some 20 instructions: batch 1's few tiles take a shorter way.)
@@ -384,8 +401,9 @@ def conv2d_nhwc_kernel(
     if SPLIT_K == 1:
         out = _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU,
                         FP8, PRECISION)
-        if STATS:
-            _tile_moments(out, m_ok, n_ok, pid_m, offs_n, M, COUT, mean_ptr, m2_ptr, BLOCK_M)
+        if STATS != "none":
+            _tile_stats(out, offs_m, offs_n, m_ok, n_ok, pid_m, M, COUT, a_ptr, b_ptr, bn_x_ptr, gate_ptr,
+                        bn_mean_ptr, bn_invstd_ptr, STATS, BLOCK_M)
     else:
         tiles = num_m * num_n
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -402,8 +420,9 @@ def conv2d_nhwc_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
             out = _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU,
                             FP8, PRECISION)
-            if STATS:
-                _tile_moments(out, m_ok, n_ok, pid_m, offs_n, M, COUT, mean_ptr, m2_ptr, BLOCK_M)
+            if STATS != "none":
+                _tile_stats(out, offs_m, offs_n, m_ok, n_ok, pid_m, M, COUT, a_ptr, b_ptr, bn_x_ptr, gate_ptr,
+                            bn_mean_ptr, bn_invstd_ptr, STATS, BLOCK_M)
 
 
 @dataclass
@@ -520,30 +539,40 @@ def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
     return _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut)[0]
 
 
-class Moments(NamedTuple):
-    """Partial moments per channel of a convolution's output, a slice of `rows` output pixels each (the last one
-    short): each slice's mean and centred sum of squares, fp32 [slices, COUT] (only the first cdiv(M, rows) of
-    their rows are written)."""
-    means: torch.Tensor
-    m2: torch.Tensor
+class TileStats(NamedTuple):
+    """Two per-channel statistics of a convolution's output (_tile_stats), fp32 [slices, COUT] each, a slice per row
+    of output tiles of `rows` pixels (the last one short; only the first cdiv(M, rows) rows are written)."""
+    a: torch.Tensor
+    b: torch.Tensor
     rows: int
 
 
-def conv2d_moments(x: torch.Tensor, p: PackedConv, precision: str = "ieee",
-                   tune: bool = True) -> tuple[torch.Tensor, Moments]:
-    """conv(x) + bias, without a ReLU, and its partial moments per channel from the epilogue: a batch norm's input
-    and what its statistics need, in one pass."""
+class BatchNormSaved(NamedTuple):
+    """What a batch norm's backward reads of its forward, for a gradient's producer to sum it: its input x, its
+    ReLU'd output (the gate) and its moments."""
+    x: torch.Tensor
+    gate: torch.Tensor
+    mean: torch.Tensor
+    invstd: torch.Tensor
+
+
+def conv2d_stats(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
+                 bn: BatchNormSaved | None = None, precision: str = "ieee",
+                 tune: bool = True) -> tuple[torch.Tensor, TileStats]:
+    """conv(x) + bias [+ residual], without a ReLU, and two statistics per channel from its epilogue (_tile_stats):
+    without `bn` its moments (it is a batch norm's input); with `bn`, it is the gradient of that batch norm's
+    output, and the sums its backward needs."""
     n, h, w, _ = x.shape
     oh, ow = p.output_size(h, w)
     slices = triton.cdiv(n * oh * ow, min(c.kwargs["BLOCK_M"] for c in CONFIGS))  # for any tile the tuning picks
-    means, m2 = (torch.empty((slices, p.cout), device=x.device, dtype=torch.float32) for _ in range(2))
-    y, chosen = _conv2d(x, p, None, False, precision, tune, False, None, (means, m2))
-    return y, Moments(means, m2, chosen["BLOCK_M"])
+    a, b = (torch.empty((slices, p.cout), device=x.device, dtype=torch.float32) for _ in range(2))
+    y, chosen = _conv2d(x, p, residual, False, precision, tune, False, None, (a, b), bn)
+    return y, TileStats(a, b, chosen["BLOCK_M"])
 
 
-def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, moments=None) -> tuple[torch.Tensor, dict]:
-    """conv2d's launch, also for conv2d_moments (`moments`: the means' and M2's buffers): y and the meta-parameters
-    it ran with."""
+def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn=None) -> tuple[torch.Tensor, dict]:
+    """conv2d's launch, also for conv2d_stats (`stats`: the two statistics' buffers; `bn`: a BatchNormSaved for
+    "grad_sums", else "moments"): y and the meta-parameters it ran with."""
     if bool(p.shortcut_stride) != (shortcut is not None) or (shortcut is not None and residual is not None):
         raise ValueError("a convolution with its downsample fused in takes the block's input as `shortcut` (and no "
                          "residual); any other takes no shortcut")
@@ -556,14 +585,16 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, moments=None) 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]) * meta["SPLIT_K"],)
 
-    # res_ptr carries the residual, or the shortcut's input (y: unused); mean_ptr and m2_ptr the bias where unused
+    # res_ptr carries the residual, or the shortcut's input (y: unused); unused statistics' pointers take y and the
+    # bias, so that a launch's tensors have the same types (its tuning key) whichever statistics it writes
     second = shortcut if shortcut is not None else residual if residual is not None else y
     sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
+    kind = "none" if stats is None else "moments" if bn is None else "grad_sums"
     args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
-            *_split_buffers(x.device), *(moments or (p.bias, p.bias)), p.kh, p.kw, p.stride, p.pad,
-            residual is not None, relu, precision, p.fp8, p.kmajor, p.shortcut_stride,
-            math.gcd(p.kw * cin, sc_cin, 128), moments is not None)
+            *_split_buffers(x.device), *(stats or (p.bias, p.bias)), *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,
+            p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor, p.shortcut_stride,
+            math.gcd(p.kw * cin, sc_cin, 128), kind)
     chosen = launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size(), sc_cin),
                     pdl)
     return y, chosen

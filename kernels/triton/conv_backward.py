@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import conv2d, pack_weights
+from kernels.triton.conv import BatchNormSaved, TileStats, conv2d, conv2d_stats, pack_weights
 from kernels.triton.split import row_slices
 from kernels.triton.tuning import autotune, launch
 
@@ -164,8 +164,7 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
     shortcut), summed into dx: in the epilogue in fp32 and rounded once at stride 1, after the phases otherwise."""
     kh, kw = weight.shape[2:]
     if stride == 1:  # the forward convolution of dy with the weights flipped and their channel axes swapped
-        packed = pack_weights(weight.transpose(0, 1).flip(2, 3), pad=kh - 1 - pad, dtype=dy.dtype)
-        return conv2d(dy, packed, residual=add, relu=False, precision=precision, tune=tune)
+        return conv2d(dy, _flipped(weight, pad, dy.dtype), residual=add, relu=False, precision=precision, tune=tune)
     n = dy.shape[0]
     h, w = input_hw
     swapped = weight.transpose(0, 1)  # [CIN, COUT, KH, KW]
@@ -185,6 +184,23 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
             region[:, nr:].zero_()  # rows past dy's reach (the forward's windows never read them)
             region[:, :, nc:].zero_()
     return dx if add is None else dx.add_(add)
+
+
+def conv2d_input_grad_sums(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int,
+                           input_hw: tuple[int, int], bn: BatchNormSaved, precision: str = "ieee", tune: bool = True,
+                           add: torch.Tensor | None = None) -> tuple[torch.Tensor, TileStats | None]:
+    """conv2d_input_grad where dx is the gradient of a batch norm's (ReLU'd) output, `bn` what that batch norm
+    saved: dx, and the sums its backward needs from the epilogue (conv.conv2d_stats), at stride 1; None where the
+    phases assemble dx (strided), whose parts are not dx."""
+    if stride > 1:
+        return conv2d_input_grad(dy, weight, stride, pad, input_hw, precision, tune, add), None
+    return conv2d_stats(dy, _flipped(weight, pad, dy.dtype), residual=add, bn=bn, precision=precision, tune=tune)
+
+
+def _flipped(weight: torch.Tensor, pad: int, dtype: torch.dtype):
+    """A stride-1 convolution's data gradient as a forward convolution: the weights flipped in space, their channel
+    axes swapped, padded by KH-1-pad."""
+    return pack_weights(weight.transpose(0, 1).flip(2, 3), pad=weight.shape[2] - 1 - pad, dtype=dtype)
 
 
 class _Phase(NamedTuple):

@@ -7,23 +7,27 @@ torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(co
 conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.
 BasicBlock: out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), the stride on conv1.
 Convolutions without bias, as torchvision's. The two gradients at the block's input meet in conv1's data
-gradient's epilogue (as the cuDNN rung does), not in a pass of their own. The backward drops each convolution's
+gradient's epilogue (as the cuDNN rung does), not in a pass of their own. A batch norm's reductions come from the
+epilogues of the convolutions beside it where they can: its forward's moments from the convolution that feeds it,
+its backward's sums from the data gradient that produces its output's gradient (a stride-1 one: a strided data
+gradient is assembled from phases). The backward drops each convolution's
 saved tensors once it is done with them, as autograd frees saved variables, so that memory falls through the
 backward instead of peaking at its end with every activation still held."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kernels.triton import batch_norm
-from kernels.triton.conv import Moments, conv2d_moments, pack_weights
-from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+from kernels.triton.conv import BatchNormSaved, TileStats, conv2d_stats, pack_weights
+from kernels.triton.conv_backward import conv2d_input_grad, conv2d_input_grad_sums, conv2d_weight_grad
 
 
-def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> tuple[torch.Tensor, Moments]:
+def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> tuple[torch.Tensor, TileStats]:
     """The convolution and its output's partial moments, for the batch norm after it."""
-    return conv2d_moments(x, pack_weights(weight, stride, pad, dtype=x.dtype), tune=tune)
+    return conv2d_stats(x, pack_weights(weight, stride, pad, dtype=x.dtype), tune=tune)
 
 
 @dataclass
@@ -71,30 +75,51 @@ def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tens
     return h, saved + ([down] if down else [])
 
 
-def conv_bn_backward(dy, saved: Saved, tune, grads: dict, residual=False, input_grad=True, add=None,
-                     into: dict | None = None):
+class Grad(NamedTuple):
+    """A gradient flowing back through the step (NHWC), and the partial sums the batch norm that reads it needs
+    where its producer wrote them (conv_backward.conv2d_input_grad_sums), else None."""
+    d: torch.Tensor
+    sums: TileStats | None = None
+
+
+def bn_saved(saved: Saved | None) -> BatchNormSaved | None:
+    """What a data gradient's epilogue reads to sum its output for `saved`'s batch norm (which has a ReLU)."""
+    return None if saved is None else BatchNormSaved(saved.conv_out, saved.out, saved.mean, saved.invstd)
+
+
+def conv_bn_backward(dy: Grad, saved: Saved, tune, grads: dict, residual=False, input_grad=True, add=None,
+                     into: dict | None = None, consumer: Saved | None = None):
     """Through one batch norm (and its ReLU) and convolution: fills `grads` by parameter, returns the gradient at
-    the convolution's input, with `add` summed into it (None without `input_grad`; and the residual's, where
-    asked). `into`: where each parameter's gradient is written (a view of the step's flat buffer), if anywhere."""
+    the convolution's input (a Grad; None without `input_grad`), with `add` summed into it, and the residual's
+    gradient, where asked, after it. `consumer`: the batch norm whose output that input is (its gradient's sums
+    then come from the data gradient's epilogue). `into`: where each parameter's gradient is written (a view of the
+    step's flat buffer), if anywhere."""
     conv, bn = saved.conv, saved.bn
     into = into or {}
-    out = batch_norm.backward(dy, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
+    out = batch_norm.backward(dy.d, saved.conv_out, saved.mean, saved.invstd, bn.weight.detach().float(),
                               y=saved.out if saved.relu else None, residual=residual, tune=tune,
-                              dgamma=into.get(bn.weight), dbeta=into.get(bn.bias))
+                              dgamma=into.get(bn.weight), dbeta=into.get(bn.bias), sums=dy.sums)
     dc, grads[bn.weight], grads[bn.bias] = out[:3]
     kh, kw = conv.kernel_size
     stride, pad = conv.stride[0], conv.padding[0]
     grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad, tune=tune,
                                             out=into.get(conv.weight))
-    dx = conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune, add=add) \
-        if input_grad else None
+    dx = None
+    if input_grad and consumer is not None:
+        dx = Grad(*conv2d_input_grad_sums(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3],
+                                          bn_saved(consumer), tune=tune, add=add))
+    elif input_grad:
+        dx = Grad(conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune, add=add))
     return (dx, out[3]) if residual else dx
 
 
-def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = True, into: dict | None = None):
-    """The gradient at the block's input (NHWC) and each parameter's (fp32, torch's layouts), by parameter, written
-    into `into`'s tensors where it has one (conv_bn_backward). Each entry of `saved` is set to None once its
-    backward is done: with the caller's reference gone, its tensors are freed then."""
+def block_backward(block, saved: list[Saved], dy: Grad, tune: bool = True, into: dict | None = None,
+                   consumer: Saved | None = None):
+    """The gradient at the block's input (a Grad) and each parameter's (fp32, torch's layouts), by parameter,
+    written into `into`'s tensors where it has one (conv_bn_backward). `consumer`: the batch norm whose output the
+    block's input is (the block before's last), whose gradient's sums conv1's data gradient then writes. Each entry
+    of `saved` is set to None once its backward is done: with the caller's reference gone, its tensors are freed
+    then."""
     grads: dict = {}
     last = len(main_path(block)) - 1
 
@@ -103,9 +128,9 @@ def block_backward(block, saved: list[Saved], dy: torch.Tensor, tune: bool = Tru
         saved[i] = None
         return out
 
-    d, d_shortcut = through(last, dy, residual=True)
+    d, d_shortcut = through(last, dy, residual=True, consumer=saved[last - 1])
     if block.downsample:  # first, so that conv1's data gradient can add it in its epilogue
-        d_shortcut = through(last + 1, d_shortcut)
+        d_shortcut = through(last + 1, Grad(d_shortcut)).d
     for i in reversed(range(last)):
-        d = through(i, d, add=d_shortcut if i == 0 else None)
+        d = through(i, d, add=d_shortcut if i == 0 else None, consumer=saved[i - 1] if i else consumer)
     return d, grads

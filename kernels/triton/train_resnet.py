@@ -30,7 +30,7 @@ from kernels.triton.cross_entropy import cross_entropy
 from kernels.triton.pool import global_avg_pool
 from kernels.triton.pool_backward import global_avg_pool_backward, max_pool_backward, max_pool_forward
 from kernels.triton.sgd import sgd_step
-from kernels.triton.train_block import Saved, block_backward, block_forward, conv_bn, conv_bn_backward
+from kernels.triton.train_block import Grad, Saved, block_backward, block_forward, conv_bn, conv_bn_backward, main_path
 
 
 STEM_PATH, HEAD_PATH = "conv1+bn1+relu+maxpool", "avgpool+fc"  # their modules, as the census names a fused kernel
@@ -97,14 +97,17 @@ class TritonTrainStep:
                 grads[m.fc.bias] = batch_norm.channel_sum(dlogits, tune)
                 dfeatures = conv2d_input_grad(dlogits4, m.fc.weight.detach()[:, :, None, None], 1, 0, (1, 1),
                                               tune=tune)
-                dh = global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3])
-            for path, block in reversed(self.blocks):
+                dh = Grad(global_avg_pool_backward(dfeatures.view(n, c), h.shape[1:3]))
+            for i in reversed(range(len(self.blocks))):
+                (path, block), saved = self.blocks[i], saved_blocks.pop()
+                # the block before's last batch norm reads this block's input gradient (layer1.0's: the max-pool)
+                consumer = saved_blocks[-1][len(main_path(self.blocks[i - 1][1])) - 1] if saved_blocks else None
                 with scope(path):  # the block's saved tensors leave the list here, and go as block_backward runs
-                    dh, block_grads = block_backward(block, saved_blocks.pop(), dh, tune, into=self.grad_of)
+                    dh, block_grads = block_backward(block, saved, dh, tune, into=self.grad_of, consumer=consumer)
                 grads.update(block_grads)
             with scope(STEM_PATH):
-                dstem = max_pool_backward(dh, positions, stem.out.shape[1:3])
-                conv_bn_backward(dstem, stem, tune, grads, input_grad=False, into=self.grad_of)
+                dstem = max_pool_backward(dh.d, positions, stem.out.shape[1:3])
+                conv_bn_backward(Grad(dstem), stem, tune, grads, input_grad=False, into=self.grad_of)
 
         with scope("optimizer"):
             for p, g in grads.items():
