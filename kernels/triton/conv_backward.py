@@ -187,12 +187,12 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
 
 
 def conv2d_input_grad_sums(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: int,
-                           input_hw: tuple[int, int], bn: BatchNormSaved, precision: str = "ieee", tune: bool = True,
-                           add: torch.Tensor | None = None) -> tuple[torch.Tensor, TileStats | None]:
+                           input_hw: tuple[int, int], bn: BatchNormSaved | None, precision: str = "ieee",
+                           tune: bool = True, add: torch.Tensor | None = None) -> tuple[torch.Tensor, TileStats | None]:
     """conv2d_input_grad where dx is the gradient of a batch norm's (ReLU'd) output, `bn` what that batch norm
-    saved: dx, and the sums its backward needs from the epilogue (conv.conv2d_stats), at stride 1; None where the
-    phases assemble dx (strided), whose parts are not dx."""
-    if stride > 1:
+    saved: dx, and the sums its backward needs from the epilogue (conv.conv2d_stats), at stride 1; None without
+    `bn`, or where the phases assemble dx (strided), whose parts are not dx."""
+    if bn is None or stride > 1:
         return conv2d_input_grad(dy, weight, stride, pad, input_hw, precision, tune, add), None
     return conv2d_stats(dy, _flipped(weight, pad, dy.dtype), residual=add, bn=bn, precision=precision, tune=tune)
 

@@ -10,9 +10,9 @@ Convolutions without bias, as torchvision's. The two gradients at the block's in
 gradient's epilogue (as the cuDNN rung does), not in a pass of their own. A batch norm's reductions come from the
 epilogues of the convolutions beside it where they can: its forward's moments from the convolution that feeds it,
 its backward's sums from the data gradient that produces its output's gradient (a stride-1 one: a strided data
-gradient is assembled from phases). The backward drops each convolution's
-saved tensors once it is done with them, as autograd frees saved variables, so that memory falls through the
-backward instead of peaking at its end with every activation still held."""
+gradient is assembled from phases). The backward drops each convolution's saved tensors once it is done with
+them, as autograd frees saved variables, so that memory falls through the backward instead of peaking at its end
+with every activation still held."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ import torch
 
 from kernels.triton import batch_norm
 from kernels.triton.conv import BatchNormSaved, TileStats, conv2d_stats, pack_weights
-from kernels.triton.conv_backward import conv2d_input_grad, conv2d_input_grad_sums, conv2d_weight_grad
+from kernels.triton.conv_backward import conv2d_input_grad_sums, conv2d_weight_grad
 
 
 def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> tuple[torch.Tensor, TileStats]:
@@ -104,12 +104,8 @@ def conv_bn_backward(dy: Grad, saved: Saved, tune, grads: dict, residual=False, 
     stride, pad = conv.stride[0], conv.padding[0]
     grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad, tune=tune,
                                             out=into.get(conv.weight))
-    dx = None
-    if input_grad and consumer is not None:
-        dx = Grad(*conv2d_input_grad_sums(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3],
-                                          bn_saved(consumer), tune=tune, add=add))
-    elif input_grad:
-        dx = Grad(conv2d_input_grad(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3], tune=tune, add=add))
+    dx = Grad(*conv2d_input_grad_sums(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3],
+                                      bn_saved(consumer), tune=tune, add=add)) if input_grad else None
     return (dx, out[3]) if residual else dx
 
 
