@@ -295,7 +295,9 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     row (fp32 norms), so that a fast wrong kernel shows. The stem's data gradient is left out: the step computes no
     gradient for the images. Weights are packed before the timing, as cuDNN's are laid out before it. As in the
     step, our forward's epilogue writes the batch norm's partial moments and our batch norm forward starts from
-    them, where PyTorch's and Inductor's compute their own: compare the two passes' sum there."""
+    them, where PyTorch's and Inductor's compute their own: compare the two passes' sum there. The backward pair is
+    timed unfused: the step sums a batch norm's gradient in the epilogue of the data gradient that produces it (of
+    the next convolution, another row), and its batch norm backward then skips that pass."""
     from kernels.triton import batch_norm  # Triton: only where it runs
     from kernels.triton.conv import conv2d_stats, pack_weights
     from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
