@@ -67,6 +67,18 @@ def main() -> int:
     lines += compile_once(_channel_affine_kernel, {**tiles, **{f"k{i}_ptr": "*fp32" for i in (1, 2, 3)}},
                           {"HAS_V": True, "HAS_R": False, "GATE": True, "KEEP_GATED": True, "RELU": False,
                            "BLOCK_P": BLOCK_P, "BLOCK_C": BLOCK_C})
+    # the convolution with the training step's epilogue statistics (kernels/triton/conv.py _tile_stats): the data
+    # gradient's sums (the most registers: its largest tile reaches 255) in every configuration, the moments in the
+    # three largest tiles
+    from kernels.triton.conv import conv2d_nhwc_kernel
+    conv = {**{name: "*bf16" for name in ("x_ptr", "w_ptr", "res_ptr", "y_ptr", "bn_x_ptr", "gate_ptr")},
+            **{name: "*fp32" for name in ("bias_ptr", "scale_ptr", "part_ptr", "a_ptr", "b_ptr", "bn_mean_ptr",
+                                          "bn_invstd_ptr")}, "count_ptr": "*i32", "a_inv": "fp32", "out_inv": "fp32"}
+    fixed = {"KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "RELU": False, "PRECISION": "ieee", "FP8": False,
+             "W_KMAJOR": False, "SC_STRIDE": 0, "K_ALIGN": 128}
+    lines += compile_configs(conv2d_nhwc_kernel, conv, {**fixed, "HAS_RES": True, "STATS": "grad_sums"})
+    lines += compile_configs(SimpleNamespace(fn=conv2d_nhwc_kernel.fn, configs=conv2d_nhwc_kernel.configs[:3]), conv,
+                             {**fixed, "HAS_RES": False, "STATS": "moments"})
     print("\n".join(lines))
     return 1 if any(line.startswith("FAILED") for line in lines) else 0
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.triton.batch_norm import REDUCTION_CONFIGS
+from kernels.triton.conv import CONFIGS as CONV_CONFIGS
 from kernels.triton.conv_backward import WEIGHT_GRAD_CONFIGS, conv2d_input_grad, conv2d_weight_grad
 
 # (kernel, stride, padding, input channels, output channels, input size): every convolution kind of a ResNet (the
@@ -324,9 +325,10 @@ def test_two_training_steps_are_eager_steps():
 
 
 def test_every_training_kernels_configuration_compiles_for_hopper():
-    """The autotuner's configurations of the weight gradient (by taps, and with the taps in the tile) and of the
-    batch norm's reductions, and its finalize and affine kernels, which the interpreter never compiles: each through
-    Triton's compiler and ptxas for sm90 (tests/hopper_compile.py)."""
+    """The autotuner's configurations of the weight gradient (by taps, and with the taps in the tile), of the
+    batch norm's reductions and of the convolution with the step's epilogue statistics, and the finalize, affine and
+    slice-sum kernels, which the interpreter never compiles: each through Triton's compiler and ptxas for sm90
+    (tests/hopper_compile.py)."""
     from core.paths import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -334,6 +336,7 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
+    assert proc.stdout.count("ok conv2d_nhwc_kernel") == len(CONV_CONFIGS) + 3
     assert proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel") == len(
         REDUCTION_CONFIGS)
     assert all(proc.stdout.count(f"ok {kernel}") == 1 for kernel in
