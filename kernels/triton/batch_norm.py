@@ -239,16 +239,8 @@ def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
     running mean, running variance and batch count, updated as PyTorch's training-mode batch norm does. `moments`:
     x's partial moments where its producer wrote them (conv.conv2d_stats), else the moments kernel reads x.
     `residual`: a tensor, or another batch norm's Normalized output, applied in the same pass."""
-    stats = statistics(x, gamma, beta, eps, tune, running, momentum, moments)
+    stats = statistics(x, tune, gamma, beta, eps, running, momentum, moments)
     return apply(x, stats, residual, relu), stats.mean, stats.invstd
-
-
-def statistics(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-5, tune: bool = True,
-               running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, momentum: float = 0.1,
-               moments: TileStats | None = None) -> Statistics:
-    """forward's statistics without its pass over x: the mean, invstd and the affine map (`Statistics`), the
-    running statistics updated."""
-    return _statistics(x, tune, gamma, beta, eps, running, momentum, moments)
 
 
 def apply(x: torch.Tensor, stats: Statistics, residual: torch.Tensor | Normalized | None = None,
@@ -269,15 +261,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     where its producer wrote them (conv.conv2d_stats with the batch norm's BatchNormSaved), else a pass reads dy."""
     c = x.shape[-1]
     p = x.numel() // c
-    if sums is None:
-        slices, rows = _slices(x, tune)
-        sum_dy, sum_dy_xhat = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
-        tuning.launch(_grad_sums_kernel, (triton.cdiv(c, BLOCK_C), slices),
-                      (dy, x, dy if y is None else y, mean, invstd, sum_dy, sum_dy_xhat, p, c, rows, y is not None,
-                       BLOCK_C), tune, UNTUNED)
-    else:
-        sum_dy, sum_dy_xhat, rows = sums
-        slices = triton.cdiv(p, rows)
+    sum_dy, sum_dy_xhat, rows = sums or _grad_sums(dy, x, y, mean, invstd, tune)
+    slices = triton.cdiv(p, rows)
     dgamma = _channels(c, x.device) if dgamma is None else dgamma
     dbeta = _channels(c, x.device) if dbeta is None else dbeta
     k1, k2, k3 = (_channels(c, x.device) for _ in range(3))
@@ -292,7 +277,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
 
 def channel_sum(x: torch.Tensor, tune: bool = True) -> torch.Tensor:
     """The per-channel sum (fp32) over every other axis of `x` (NHWC or [N, C]): a classifier's bias gradient."""
-    return _statistics(x, tune).mean * (x.numel() // x.shape[-1])
+    return statistics(x, tune).mean * (x.numel() // x.shape[-1])
 
 
 def _slices(x: torch.Tensor, tune: bool) -> tuple[int, int]:
@@ -312,21 +297,16 @@ class Statistics(NamedTuple):
     shift: torch.Tensor | None
 
 
-def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, beta: torch.Tensor | None = None,
-                eps: float = 0.0, running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                momentum: float = 0.1, moments: TileStats | None = None) -> Statistics:
-    """The per-channel statistics of NHWC `x`: each slice's mean and M2 (`moments`, or from the moments kernel),
-    merged by the finalize kernel, which also gives the affine map (with `gamma` and `beta`) and updates `running`."""
+def statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+               eps: float = 0.0, running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               momentum: float = 0.1, moments: TileStats | None = None) -> Statistics:
+    """The per-channel statistics of NHWC `x` (forward's, without its pass over x): each slice's mean and M2
+    (`moments`, or the moments kernel's), merged by the finalize kernel, which also gives the affine map (with
+    `gamma` and `beta`) and updates `running`."""
     c = x.shape[-1]
     p = x.numel() // c
-    if moments is None:
-        slices, rows = _slices(x, tune)
-        means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
-        tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, p, c, rows, BLOCK_C), tune,
-                      UNTUNED)
-    else:
-        means, m2, rows = moments
-        slices = triton.cdiv(p, rows)
+    means, m2, rows = moments or _moments(x, tune)
+    slices = triton.cdiv(p, rows)
     mean = _channels(c, x.device)
     affine = gamma is not None
     invstd, scale, shift = (_channels(c, x.device) for _ in range(3)) if affine else (None, None, None)
@@ -336,6 +316,29 @@ def _statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, 
         scale if affine else mean, shift if affine else mean, run_mean, run_var, batches, p, c, slices, rows, eps,
         momentum, affine, running is not None, BLOCK_C, BLOCK_S)
     return Statistics(mean, invstd, scale, shift)
+
+
+def _moments(x: torch.Tensor, tune: bool) -> TileStats:
+    """Each slice's mean and M2 per channel of NHWC `x`, by the moments kernel."""
+    c = x.shape[-1]
+    slices, rows = _slices(x, tune)
+    means, m2 = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+    tuning.launch(_moments_kernel, (triton.cdiv(c, BLOCK_C), slices), (x, means, m2, x.numel() // c, c, rows,
+                                                                       BLOCK_C), tune, UNTUNED)
+    return TileStats(means, m2, rows)
+
+
+def _grad_sums(dy: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor,
+               tune: bool) -> TileStats:
+    """Each slice's sums of dy (through the ReLU of output `y`, where given) and of dy times xhat, by the gradient
+    sums kernel."""
+    c = x.shape[-1]
+    slices, rows = _slices(x, tune)
+    sum_dy, sum_dy_xhat = (torch.empty((slices, c), device=x.device, dtype=torch.float32) for _ in range(2))
+    tuning.launch(_grad_sums_kernel, (triton.cdiv(c, BLOCK_C), slices),
+                  (dy, x, dy if y is None else y, mean, invstd, sum_dy, sum_dy_xhat, x.numel() // c, c, rows,
+                   y is not None, BLOCK_C), tune, UNTUNED)
+    return TileStats(sum_dy, sum_dy_xhat, rows)
 
 
 def _channels(c: int, device: torch.device) -> torch.Tensor:

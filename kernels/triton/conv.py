@@ -77,6 +77,9 @@ CONFIGS = [_config(128, 256, 64, 3, 8), _config(128, 128, 64, 3, 8), _config(128
     _config(bm, bn, 64, 4, 4, split) for bm, bn in ((32, 64), (64, 64), (32, 128)) for split in (2, 4, 8, 16)]
 
 
+MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in CONFIGS)  # the most rows of tiles a launch can have: its statistics'
+
+
 def _steps(kh: int, row: int, bk: int, shortcut: int = 0) -> int:
     """K tiles one output tile walks: window rows times K tiles per row, then the shortcut's channels."""
     return kh * triton.cdiv(row, bk) + triton.cdiv(shortcut, bk)
@@ -564,7 +567,7 @@ def conv2d_stats(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None =
     output, and the sums its backward needs."""
     n, h, w, _ = x.shape
     oh, ow = p.output_size(h, w)
-    slices = triton.cdiv(n * oh * ow, min(c.kwargs["BLOCK_M"] for c in CONFIGS))  # for any tile the tuning picks
+    slices = triton.cdiv(n * oh * ow, MIN_BLOCK_M)  # rows for any tile the tuning picks
     a, b = (torch.empty((slices, p.cout), device=x.device, dtype=torch.float32) for _ in range(2))
     y, chosen = _conv2d(x, p, residual, False, precision, tune, False, None, (a, b), bn)
     return y, TileStats(a, b, chosen["BLOCK_M"])

@@ -49,7 +49,7 @@ def conv_bn(x, conv, bn, tune, residual=None, relu=True, deferred=False) -> tupl
     running statistics updated, as PyTorch's forward in training mode does. `deferred` (no ReLU): the batch norm's
     map left for its reader to apply, returned as a batch_norm.Normalized instead of a tensor."""
     c, moments = _conv(x, conv.weight.detach(), conv.stride[0], conv.padding[0], tune)
-    stats = batch_norm.statistics(c, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps, tune,
+    stats = batch_norm.statistics(c, tune, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
                                   (bn.running_mean, bn.running_var, bn.num_batches_tracked), bn.momentum, moments)
     y = batch_norm.Normalized(c, stats.scale, stats.shift) if deferred else \
         batch_norm.apply(c, stats, residual, relu)
@@ -60,6 +60,11 @@ def main_path(block) -> list[tuple]:
     """The residual branch's (convolution, batch norm) pairs in order: two in a BasicBlock, three in a
     Bottleneck."""
     return [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in (1, 2, 3) if hasattr(block, f"conv{i}")]
+
+
+def output_saved(block, saved: list[Saved]) -> Saved:
+    """Of a block's saved list (block_forward's), the batch norm whose (ReLU'd) output is the block's output."""
+    return saved[len(main_path(block)) - 1]
 
 
 def block_forward(block, x: torch.Tensor, tune: bool = True) -> tuple[torch.Tensor, list[Saved]]:

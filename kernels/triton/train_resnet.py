@@ -30,7 +30,8 @@ from kernels.triton.cross_entropy import cross_entropy
 from kernels.triton.pool import global_avg_pool
 from kernels.triton.pool_backward import global_avg_pool_backward, max_pool_backward, max_pool_forward
 from kernels.triton.sgd import sgd_step
-from kernels.triton.train_block import Grad, Saved, block_backward, block_forward, conv_bn, conv_bn_backward, main_path
+from kernels.triton.train_block import (Grad, Saved, block_backward, block_forward, conv_bn, conv_bn_backward,
+                                        output_saved)
 
 
 STEM_PATH, HEAD_PATH = "conv1+bn1+relu+maxpool", "avgpool+fc"  # their modules, as the census names a fused kernel
@@ -101,7 +102,7 @@ class TritonTrainStep:
             for i in reversed(range(len(self.blocks))):
                 (path, block), saved = self.blocks[i], saved_blocks.pop()
                 # the block before's last batch norm reads this block's input gradient (layer1.0's: the max-pool)
-                consumer = saved_blocks[-1][len(main_path(self.blocks[i - 1][1])) - 1] if saved_blocks else None
+                consumer = output_saved(self.blocks[i - 1][1], saved_blocks[-1]) if saved_blocks else None
                 with scope(path):  # the block's saved tensors leave the list here, and go as block_backward runs
                     dh, block_grads = block_backward(block, saved, dh, tune, into=self.grad_of, consumer=consumer)
                 grads.update(block_grads)
