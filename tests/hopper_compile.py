@@ -44,7 +44,8 @@ def compile_once(kernel, types: dict[str, str], constants: dict[str, object]) ->
 
 def main() -> int:
     from kernels.triton.batch_norm import (BLOCK_C, BLOCK_P, BLOCK_S, _channel_affine_kernel, _grad_finalize_kernel,
-                                           _grad_sums_kernel, _moments_finalize_kernel, _moments_kernel)
+                                           _grad_sums_kernel, _merge_slices_kernel, _moments_finalize_kernel,
+                                           _moments_kernel)
     from kernels.triton.conv_backward import SUM_BLOCK, _sum_slices_kernel, conv2d_weight_grad_kernel
 
     lines = []
@@ -63,6 +64,10 @@ def main() -> int:
     lines += compile_once(_moments_finalize_kernel, {**fp32, "batches_ptr": "*i64", "eps": "fp32", "momentum": "fp32"},
                           {"AFFINE": True, "RUNNING": True, "BLOCK_C": BLOCK_C, "BLOCK_S": BLOCK_S})
     lines += compile_once(_grad_finalize_kernel, fp32, {"BLOCK_C": BLOCK_C, "BLOCK_S": BLOCK_S})
+    for moments in (True, False):
+        lines += compile_once(_merge_slices_kernel, {name: "*fp32" for name in _merge_slices_kernel.arg_names
+                                                     if name.endswith("_ptr")},
+                              {"MOMENTS": moments, "BLOCK_C": BLOCK_C, "BLOCK_S": BLOCK_S})
     tiles = {name: "*bf16" for name in ("u_ptr", "v_ptr", "r_ptr", "gate_ptr", "out_ptr", "gated_ptr")}
     lines += compile_once(_channel_affine_kernel, {**tiles, **{f"k{i}_ptr": "*fp32" for i in (1, 2, 3)}},
                           {"HAS_V": True, "HAS_R": False, "GATE": True, "KEEP_GATED": True, "RELU": False,

@@ -272,7 +272,7 @@ def test_chain_tune_leaves_the_keys_another_dtype_shares():
     for them (keys as the H100 table holds them: kernel|shape|tensor dtypes, the weights second)."""
     from bench.chain_tune import own_keys
 
-    shape = "conv2d_nhwc_kernel|49,7,7,512,2048,1,1,1,tf32,0,0|"
+    shape = "conv2d_nhwc_kernel|49,7,7,512,2048,1,1,1,tf32,0,0,none|"
     tail = ",float32,float32,{y},{y},float32,float32"  # the statistics' pointers (conv._conv2d: y's type where unused)
     e4m3 = shape + "float8_e4m3fn,float8_e4m3fn,float32,bfloat16,bfloat16,float32,float32,int32" + tail.format(
         y="bfloat16")

@@ -68,16 +68,19 @@ def test_weight_gradient_over_many_slices_is_autograds_and_repeats(monkeypatch):
     assert torch.equal(dw, conv2d_weight_grad(nhwc_x, nhwc_dy, 1, 1, 1, 0))
 
 
-@pytest.mark.parametrize("n,size,channels,programs", [(3, 5, 37, 4), (2, 7, 64, 4), (1, 2, 5, 4), (3, 19, 5, 4),
-                                                      (1, 120, 5, 200)])
-def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels, programs, monkeypatch):
+@pytest.mark.parametrize("n,size,channels,programs,finalize_slices", [
+    (3, 5, 37, 4, 128), (2, 7, 64, 4, 128), (1, 2, 5, 4, 128), (3, 19, 5, 4, 128), (1, 120, 5, 200, 128),
+    (1, 120, 5, 200, 7)])
+def test_batch_norm_in_training_is_autograds_both_ways(n, size, channels, programs, finalize_slices, monkeypatch):
     """Forward (the batch's moments, biased, the affine map, and the running statistics' update) and backward (dx,
     dgamma, dbeta, written into the tensors given) against F.batch_norm in training mode, in fp64, on channel
     counts off the tiles, a batch of 4 values per channel, and many rows over few channels (cut into slices, the
-    last one short; with a GPU's count of programs, 90 slices: more than two of the finalize kernels' tiles)."""
+    last one short; with a GPU's count of programs, 90 slices: more than two of the finalize kernels' tiles; and
+    those merged 13 at a time into 7 before the finalize, the last group short)."""
     from kernels.triton import batch_norm, split
 
     monkeypatch.setattr(split, "_target_programs", lambda device: programs)
+    monkeypatch.setattr(batch_norm, "FINALIZE_SLICES", finalize_slices)
     if programs > 4:
         assert batch_norm._slices(torch.empty(n, size, size, channels), tune=False)[0] > 2 * batch_norm.BLOCK_S
 
@@ -341,6 +344,7 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
         REDUCTION_CONFIGS)
     assert all(proc.stdout.count(f"ok {kernel}") == 1 for kernel in
                ("_moments_finalize_kernel", "_grad_finalize_kernel", "_channel_affine_kernel", "_sum_slices_kernel"))
+    assert proc.stdout.count("ok _merge_slices_kernel") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

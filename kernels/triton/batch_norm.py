@@ -46,6 +46,9 @@ UNTUNED = dict(BLOCK_P=BLOCK_P, num_warps=4, num_stages=3)
 # order and the slots added by one tree at the end: a fixed order (the same bits every call) in SLICES / BLOCK_S
 # steps. One slice at a time, a stem's 528 slices took 23 us a launch on the H200 (results/nvidia-h200/train/triton).
 BLOCK_S = 32
+# A finalize kernel is a program per 64 channels, walking every slice: past this many, _merge_slices_kernel first
+# merges them, FINALIZE_SLICES groups in parallel (a layer1 convolution's epilogue writes 6,272 slices a channel).
+FINALIZE_SLICES = 128
 
 
 @tuning.autotune(REDUCTION_CONFIGS, key=["P", "C"])
@@ -107,32 +110,73 @@ def _grad_sums_kernel(dy_ptr, x_ptr, y_ptr, mean_ptr, invstd_ptr, sum_dy_ptr, su
 
 
 @triton.jit
-def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr,
-                             run_mean_ptr, run_var_ptr, batches_ptr, P, C, SLICES, ROWS, eps, momentum,
-                             AFFINE: tl.constexpr, RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_S: tl.constexpr):
-    """The slices' means and M2 merged (BLOCK_S slices a step, in a fixed order: the same bits every call) into the
-    batch's mean and biased variance per column (the mean stored); with AFFINE its invstd and the forward's map
-    y = scale * x + shift; with RUNNING PyTorch's running statistics (an exponential average of the mean and of the
-    unbiased variance) and its batch count."""
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
+def _merged_moments(means_ptr, m2_ptr, offs_c, c_ok, C, FIRST, LAST, ROWS, P, BLOCK_C: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Slices [FIRST, LAST)'s means and M2 (slice s: rows s * ROWS.. of P, the last one short) merged into theirs
+    (BLOCK_S slices a step, each slot of the tile summing its own slices in order and the slots added by one tree at
+    the end: a fixed order, the same bits every call)."""
+    n = (tl.minimum(LAST * ROWS, P) - FIRST * ROWS).to(tl.float32)
     weighted = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
-    for s0 in range(0, SLICES, BLOCK_S):
+    for s0 in range(FIRST, LAST, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
-        ok = (offs_s < SLICES)[:, None] & c_ok[None, :]
+        ok = (offs_s < LAST)[:, None] & c_ok[None, :]
         rows = tl.minimum(ROWS, P - offs_s * ROWS).to(tl.float32)[:, None]
         weighted += tl.where(ok, rows * tl.load(means_ptr + offs_s[:, None] * C + offs_c[None, :], mask=ok), 0.0)
-    mean = tl.sum(weighted, 0) / P
+    mean = tl.sum(weighted, 0) / n
     m2 = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
-    for s0 in range(0, SLICES, BLOCK_S):
+    for s0 in range(FIRST, LAST, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
-        ok = (offs_s < SLICES)[:, None] & c_ok[None, :]
+        ok = (offs_s < LAST)[:, None] & c_ok[None, :]
         at = offs_s[:, None] * C + offs_c[None, :]
         rows = tl.minimum(ROWS, P - offs_s * ROWS).to(tl.float32)[:, None]
         spread = tl.load(means_ptr + at, mask=ok, other=0.0) - mean[None, :]
         m2 += tl.where(ok, tl.load(m2_ptr + at, mask=ok, other=0.0) + rows * spread * spread, 0.0)
-    var = tl.sum(m2, 0) / P
+    return mean, tl.sum(m2, 0)
+
+
+@triton.jit
+def _summed(ptr, offs_c, c_ok, C, FIRST, LAST, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Slices [FIRST, LAST) of fp32 [slices, C] partial sums added, in the same fixed order as _merged_moments."""
+    total = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+    for s0 in range(FIRST, LAST, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        ok = (offs_s < LAST)[:, None] & c_ok[None, :]
+        total += tl.load(ptr + offs_s[:, None] * C + offs_c[None, :], mask=ok, other=0.0)
+    return tl.sum(total, 0)
+
+
+@triton.jit
+def _merge_slices_kernel(a_ptr, b_ptr, out_a_ptr, out_b_ptr, P, C, SLICES, ROWS, GROUP, MOMENTS: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """GROUP slices' partials merged into one (program axis 1: which group): means and M2 with MOMENTS, else both
+    arrays summed. A convolution's epilogue writes a slice per row of output tiles, thousands at layer1, which the
+    finalize kernels (a program per 64 channels) would walk one after another."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    first = tl.program_id(1) * GROUP
+    last = tl.minimum(first + GROUP, SLICES)
+    if MOMENTS:
+        a, b = _merged_moments(a_ptr, b_ptr, offs_c, c_ok, C, first, last, ROWS, P, BLOCK_C, BLOCK_S)
+    else:
+        a = _summed(a_ptr, offs_c, c_ok, C, first, last, BLOCK_C, BLOCK_S)
+        b = _summed(b_ptr, offs_c, c_ok, C, first, last, BLOCK_C, BLOCK_S)
+    out = tl.program_id(1) * C + offs_c
+    tl.store(out_a_ptr + out, a, mask=c_ok)
+    tl.store(out_b_ptr + out, b, mask=c_ok)
+
+
+@triton.jit
+def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr,
+                             run_mean_ptr, run_var_ptr, batches_ptr, P, C, SLICES, ROWS, eps, momentum,
+                             AFFINE: tl.constexpr, RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+    """The slices' means and M2 merged into the batch's mean and biased variance per column (the mean stored); with
+    AFFINE its invstd and the forward's map y = scale * x + shift; with RUNNING PyTorch's running statistics (an
+    exponential average of the mean and of the unbiased variance) and its batch count."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    mean, m2 = _merged_moments(means_ptr, m2_ptr, offs_c, c_ok, C, 0, SLICES, ROWS, P, BLOCK_C, BLOCK_S)
+    var = m2 / P
     tl.store(mean_ptr + offs_c, mean, mask=c_ok)
     if AFFINE:
         invstd = 1.0 / tl.sqrt(var + eps)
@@ -153,21 +197,12 @@ def _moments_finalize_kernel(means_ptr, m2_ptr, gamma_ptr, beta_ptr, mean_ptr, i
 @triton.jit
 def _grad_finalize_kernel(sum_dy_ptr, sum_dy_xhat_ptr, gamma_ptr, mean_ptr, invstd_ptr, dgamma_ptr, dbeta_ptr, k1_ptr,
                           k2_ptr, k3_ptr, P, C, SLICES, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The slices' partial sums added (BLOCK_S slices a step, in a fixed order) into dbeta = sum(dy) and
-    dgamma = sum(dy * xhat), and the coefficients of dx = k1 * dy + k2 * x + k3 (the module docstring's dx with
-    xhat = (x - mean) * invstd)."""
+    """The slices' partial sums added into dbeta = sum(dy) and dgamma = sum(dy * xhat), and the coefficients of
+    dx = k1 * dy + k2 * x + k3 (the module docstring's dx with xhat = (x - mean) * invstd)."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    dbetas = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
-    dgammas = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
-    for s0 in range(0, SLICES, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        ok = (offs_s < SLICES)[:, None] & c_ok[None, :]
-        at = offs_s[:, None] * C + offs_c[None, :]
-        dbetas += tl.load(sum_dy_ptr + at, mask=ok, other=0.0)
-        dgammas += tl.load(sum_dy_xhat_ptr + at, mask=ok, other=0.0)
-    dbeta = tl.sum(dbetas, 0)
-    dgamma = tl.sum(dgammas, 0)
+    dbeta = _summed(sum_dy_ptr, offs_c, c_ok, C, 0, SLICES, BLOCK_C, BLOCK_S)
+    dgamma = _summed(sum_dy_xhat_ptr, offs_c, c_ok, C, 0, SLICES, BLOCK_C, BLOCK_S)
     mean = tl.load(mean_ptr + offs_c, mask=c_ok, other=0.0)
     invstd = tl.load(invstd_ptr + offs_c, mask=c_ok, other=0.0)
     k1 = tl.load(gamma_ptr + offs_c, mask=c_ok, other=0.0) * invstd
@@ -261,7 +296,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     where its producer wrote them (conv.conv2d_stats with the batch norm's BatchNormSaved), else a pass reads dy."""
     c = x.shape[-1]
     p = x.numel() // c
-    sum_dy, sum_dy_xhat, rows = sums or _grad_sums(dy, x, y, mean, invstd, tune)
+    sum_dy, sum_dy_xhat, rows = _fewer_slices(sums or _grad_sums(dy, x, y, mean, invstd, tune), p, moments=False)
     slices = triton.cdiv(p, rows)
     dgamma = _channels(c, x.device) if dgamma is None else dgamma
     dbeta = _channels(c, x.device) if dbeta is None else dbeta
@@ -305,7 +340,7 @@ def statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, b
     `gamma` and `beta`) and updates `running`."""
     c = x.shape[-1]
     p = x.numel() // c
-    means, m2, rows = moments or _moments(x, tune)
+    means, m2, rows = _fewer_slices(moments or _moments(x, tune), p, moments=True)
     slices = triton.cdiv(p, rows)
     mean = _channels(c, x.device)
     affine = gamma is not None
@@ -316,6 +351,21 @@ def statistics(x: torch.Tensor, tune: bool, gamma: torch.Tensor | None = None, b
         scale if affine else mean, shift if affine else mean, run_mean, run_var, batches, p, c, slices, rows, eps,
         momentum, affine, running is not None, BLOCK_C, BLOCK_S)
     return Statistics(mean, invstd, scale, shift)
+
+
+def _fewer_slices(partials: TileStats, p: int, moments: bool) -> TileStats:
+    """`partials` (a slice per `rows` of the `p` rows) with groups of slices merged, where there are more than a
+    finalize should walk: their means and M2 with `moments`, else their sums."""
+    a, b, rows = partials
+    slices, c = triton.cdiv(p, rows), a.shape[1]
+    if slices <= FINALIZE_SLICES:
+        return partials
+    group = triton.cdiv(slices, FINALIZE_SLICES)
+    groups = triton.cdiv(slices, group)
+    merged_a, merged_b = (torch.empty((groups, c), device=a.device, dtype=torch.float32) for _ in range(2))
+    _merge_slices_kernel[(triton.cdiv(c, BLOCK_C), groups)](a, b, merged_a, merged_b, p, c, slices, rows, group,
+                                                            moments, BLOCK_C, BLOCK_S)
+    return TileStats(merged_a, merged_b, rows * group)
 
 
 def _moments(x: torch.Tensor, tune: bool) -> TileStats:

@@ -317,8 +317,10 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
 
 
 # PRECISION in the key: TF32 and strict fp32 share their dtypes but not their best tiles (each tuned for itself).
-@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN", "SC_STRIDE"],
-          prune=_prune)
+# STATS in the key: the epilogue's statistics change which tile is fastest (the data gradient's sums take the
+# largest tiles to 255 registers), so each kind is tuned on its own
+@autotune(CONFIGS, key=["M", "H", "W", "CIN", "COUT", "KH", "KW", "STRIDE", "PRECISION", "SC_CIN", "SC_STRIDE",
+                        "STATS"], prune=_prune)
 @triton.jit(do_not_specialize=["M", "H", "W", "OH", "OW", "SC_H", "SC_W"])  # one compile for every layer's sizes
 def conv2d_nhwc_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr,  # x [N,H,W,CIN]; w [K, COUT] or K-major [COUT, K] (K = KH*KW*CIN

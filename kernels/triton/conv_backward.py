@@ -175,10 +175,11 @@ def conv2d_input_grad(dy: torch.Tensor, weight: torch.Tensor, stride: int, pad: 
             if not (r.taps and c.taps):  # no tap of the kernel lands on this phase (a 1x1's odd rows)
                 region.zero_()
                 continue
-            p = max(len(r.taps), len(c.taps)) - 1  # the kernel takes one padding for both axes
-            part = conv2d(dy, pack_weights(swapped[:, :, r.taps][:, :, :, c.taps], pad=p, dtype=dy.dtype),
-                          relu=False, precision=precision, tune=tune)
-            top, left = r.q + p - (len(r.taps) - 1), c.q + p - (len(c.taps) - 1)  # where row and column 0 are
+            p = max(r.taps, c.taps) - 1  # the kernel takes one padding for both axes
+            # Slices, not index lists: a list index would copy from the host, which a CUDA graph cannot capture.
+            taps = swapped[:, :, r.first::stride, c.first::stride].flip(2, 3)
+            part = conv2d(dy, pack_weights(taps, pad=p, dtype=dy.dtype), relu=False, precision=precision, tune=tune)
+            top, left = r.q + p - (r.taps - 1), c.q + p - (c.taps - 1)  # where row and column 0 are
             nr, nc = max(0, min(r.count, part.shape[1] - top)), max(0, min(c.count, part.shape[2] - left))
             region[:, :nr, :nc] = part[:, top:top + nr, left:left + nc]
             region[:, nr:].zero_()  # rows past dy's reach (the forward's windows never read them)
@@ -205,10 +206,12 @@ def _flipped(weight: torch.Tensor, pad: int, dtype: torch.dtype):
 
 class _Phase(NamedTuple):
     """The input rows i * stride + phase of a strided convolution's data gradient, along one axis: there dx is a
-    stride-1 cross-correlation of dy with the kernel rows `taps` (in the order it applies them), whose output row
-    i + q + pad - (len(taps) - 1) is input row i's, under the padding `pad` it runs with; `count` such rows."""
+    stride-1 cross-correlation of dy with the `taps` kernel rows first, first + stride, ... (applied last to first),
+    whose output row i + q + pad - (taps - 1) is input row i's, under the padding `pad` it runs with; `count` such
+    rows."""
     phase: int
-    taps: list[int]
+    first: int
+    taps: int
     q: int
     count: int
 
@@ -221,6 +224,6 @@ def _phases(k: int, stride: int, pad: int, size: int) -> list[_Phase]:
     phases = []
     for a in range(stride):
         r0 = (a + pad) % stride
-        phases.append(_Phase(a, list(range(r0, k, stride))[::-1], (a + pad - r0) // stride,
+        phases.append(_Phase(a, r0, len(range(r0, k, stride)), (a + pad - r0) // stride,
                              (size - a + stride - 1) // stride))
     return phases
