@@ -344,7 +344,8 @@ def test_micro_training_table_fits_100_columns_with_whole_layer_names():
 def test_a_training_micro_sums_each_pass_over_the_network():
     """micro --task train's per-pass totals: each layer's ms times its count, per rung column; `all` only for a
     column every pass has (the batch norm's PyTorch and Inductor columns are not the convolutions'); rows without
-    a count (cudnn's, the whole schedule) count once; an inference micro has none."""
+    a count (cudnn's, the whole schedule) count once; an `alternative` pass (another way of running passes that
+    other rows time) has its total but stays out of `all`; an inference micro has none."""
     from harness.results.micro_tables import markdown, pass_totals
 
     rows = [{"layer": "a", "pass": "forward", "count": 3, "triton_ms": 1.0, "cudnn_ms": 0.5},
@@ -355,6 +356,10 @@ def test_a_training_micro_sums_each_pass_over_the_network():
         {"pass": "bn forward", "triton_ms": "0.75", "cudnn_ms": "", "inductor_ms": "1.50"},
         {"pass": "all", "triton_ms": "5.75", "cudnn_ms": "", "inductor_ms": ""}]
     assert "| all | 5.75 |" in markdown("t", rows)
+    fused = {"layer": "a", "pass": "forward+stats", "count": 3, "triton_ms": 1.5, "alternative": True}
+    assert pass_totals(rows + [fused])[-2:] == [
+        {"pass": "forward+stats", "triton_ms": "4.50", "cudnn_ms": "", "inductor_ms": ""},
+        {"pass": "all", "triton_ms": "5.75", "cudnn_ms": "", "inductor_ms": ""}]
     assert pass_totals([{"layer": "a", "pass": "dgrad", "median_ms": 0.5}] * 2)[-1] == {"pass": "all",
                                                                                          "median_ms": "1.00"}
     assert pass_totals([{"layer": "a", "triton_ms": 1.0}]) == []

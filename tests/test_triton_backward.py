@@ -389,26 +389,39 @@ def test_the_captured_training_step_replays_the_steps_bits(dtype):
 
 
 def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_shows(monkeypatch):
-    """`micro --tier triton --task train`'s rows (tiers/triton.py train_micro) under the interpreter, for a strided
-    3x3 and a 1x1 downsample at odd sizes: each of the five passes of a convolution with its batch norm (forward,
-    data and weight gradients, the batch norm's forward and backward) agrees with PyTorch's in fp32, and a pass made
-    wrong (the weight gradient doubled) shows in its own row's error. The stem has no data-gradient row (the step
-    computes none)."""
+    """`micro --tier triton --task train`'s rows (tiers/triton.py train_micro) under the interpreter, for a 1x1 at
+    stride 1, a strided 3x3 and a 1x1 downsample at odd sizes: each pass of a convolution with its batch norm
+    (forward, data and weight gradients, the batch norm's forward and backward, and the statistics' two ways: from
+    the epilogues or apart) agrees with PyTorch's in fp32, and a pass made wrong (the weight gradient doubled; the
+    data gradient's epilogue sums without the ReLU's gate) shows in its own rows' errors. The stem has no
+    data-gradient rows (the step computes none); strided layers no epilogue sums (the phases are not dx)."""
     from core.layers import Layer
-    from kernels.triton import conv_backward
+    from kernels.triton import conv, conv_backward
     from tiers.triton import train_micro
 
-    layers = [Layer("layer2.0.conv2", (12, 8, 3, 3), 2, 1, (9, 9), "relu", 1),
+    layers = [Layer("layer1.0.conv1", (6, 8, 1, 1), 1, 0, (5, 5), "relu", 1),
+              Layer("layer2.0.conv2", (12, 8, 3, 3), 2, 1, (9, 9), "relu", 1),
               Layer("layer2.0.downsample.0", (16, 8, 1, 1), 2, 0, (7, 7), "none", 1)]
     rows = train_micro(layers, 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
-    assert [(r["layer"], r["pass"]) for r in rows] == [(layer.path, p) for layer in layers for p in
-                                                       ("forward", "dgrad", "wgrad", "bn forward", "bn backward")]
+    every = ("forward", "stats epi", "stats apart", "dgrad", "dgrad+bn epi", "dgrad+bn apart", "wgrad", "bn forward",
+             "bn backward")
+    strided = [p for p in every if not p.startswith("dgrad+bn")]
+    assert [(r["layer"], r["pass"]) for r in rows] == [(layers[0].path, p) for p in every] + [
+        (layer.path, p) for layer in layers[1:] for p in strided]
     assert all(r["rel_err"] < 1e-5 for r in rows), [(r["layer"], r["pass"], r["rel_err"]) for r in rows]
     stem = train_micro([Layer("conv1", (8, 3, 7, 7), 2, 3, (11, 11), "relu", 1)], 2, "fp32", "cpu", baselines=False,
                        bench=lambda fn: 0.0)
-    assert [r["pass"] for r in stem] == ["forward", "wgrad", "bn forward", "bn backward"]  # no image gradient
+    assert [r["pass"] for r in stem] == ["forward", "stats epi", "stats apart", "wgrad", "bn forward", "bn backward"]
 
     right = conv_backward.conv2d_weight_grad
     monkeypatch.setattr(conv_backward, "conv2d_weight_grad", lambda *a, **k: 2 * right(*a, **k))
+    rows = train_micro(layers[:2], 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
+    assert {r["pass"] for r in rows if r["rel_err"] > 0.5} == {"wgrad"}
+    monkeypatch.undo()
+
+    def ungated(dy, w, bn, **k):  # the gate read as all ones: dy's sums without the ReLU
+        return conv.conv2d_stats(dy, w, bn=bn._replace(gate=torch.ones_like(bn.gate)), **k)
+
+    monkeypatch.setattr(conv_backward, "conv2d_stats", ungated)
     rows = train_micro(layers[:1], 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
-    assert [r["pass"] for r in rows if r["rel_err"] > 0.5] == ["wgrad"]
+    assert [r["pass"] for r in rows if r["rel_err"] > 1e-3] == ["dgrad+bn epi"]

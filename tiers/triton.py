@@ -293,14 +293,16 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     convolution: aten.convolution and its backward) and, for the batch norm, PyTorch's kernel and Inductor's
     (torch.compile of the same op). `bench(fn)` -> ms. Each of our passes' relative error against PyTorch's in the
     row (fp32 norms), so that a fast wrong kernel shows. The stem's data gradient is left out: the step computes no
-    gradient for the images. Weights are packed before the timing, as cuDNN's are laid out before it. As in the
-    step, our forward's epilogue writes the batch norm's partial moments and our batch norm forward starts from
-    them, where PyTorch's and Inductor's compute their own: compare the two passes' sum there. The backward pair is
-    timed unfused: the step sums a batch norm's gradient in the epilogue of the data gradient that produces it (of
-    the next convolution, another row), and its batch norm backward then skips that pass."""
+    gradient for the images. Weights are packed before the timing, as cuDNN's are laid out before it.
+    The step takes each batch norm's reductions from a convolution's epilogue (conv.conv2d_stats), so two pairs of
+    rows, ours alone, time that choice against its alternative: "stats epi" (the forward with the moments in its
+    epilogue, then their merge into the statistics) against "stats apart" (the plain forward, then the moments
+    kernel and the merge); at stride 1, "dgrad+bn epi" (the data gradient with the sums of the batch norm that
+    produced x in its epilogue, then that batch norm's backward) against "dgrad+bn apart" (the sums kernel
+    instead). "bn forward" starts from the epilogue's moments, as the step does."""
     from kernels.triton import batch_norm  # Triton: only where it runs
-    from kernels.triton.conv import conv2d_stats, pack_weights
-    from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+    from kernels.triton.conv import BatchNormSaved, conv2d, conv2d_stats, pack_weights
+    from kernels.triton.conv_backward import conv2d_input_grad, conv2d_input_grad_sums, conv2d_weight_grad
 
     tdt, g = torch_dtype(dtype), torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -315,50 +317,82 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
         beta = torch.randn(cout, device=device, generator=g)
         x_t, dy_t = x.permute(0, 3, 1, 2), dy.permute(0, 3, 1, 2)  # NCHW views of the channels-last tensors
         w_t = weight.to(tdt).contiguous(memory_format=torch.channels_last)
+        # x taken as the ReLU'd output of a batch norm (unit gamma, zero beta) over `before`: the batch norm whose
+        # gradient sums the data gradient's epilogue takes on
+        before = torch.randn(x.shape, device=device, generator=g).to(tdt)
+        unit = torch.ones(cin, device=device)
+        before_stats = batch_norm.statistics(before, True, unit, torch.zeros_like(unit), 1e-5)
+        saved = BatchNormSaved(before, x, before_stats.mean, before_stats.invstd)
 
         def torch_conv_grad(mask):
             return torch.ops.aten.convolution_backward(dy_t, x_t, w_t, None, [stride] * 2, [pad] * 2, [1, 1], False,
                                                        [0, 0], 1, mask)
 
         packed = pack_weights(weight, stride, pad, dtype=tdt)
-
-        def ours_forward():
-            return conv2d_stats(x, packed)
-
-        c, moments = ours_forward()  # the batch norm's input and its partial moments
+        c, moments = conv2d_stats(x, packed)  # the batch norm's input and its partial moments
         c_t = c.permute(0, 3, 1, 2)
         _, mean, invstd = batch_norm.forward(c, gamma, beta, moments=moments)
-        passes = {  # name: (ours, PyTorch's, what ours returns against what PyTorch's does)
-            "forward": (ours_forward, lambda: F.conv2d(x_t, w_t, None, stride, pad),
-                        lambda o, t: (o[0].permute(0, 3, 1, 2), t)),
+
+        def forward_stats(fused: bool):
+            y, partial = conv2d_stats(x, packed) if fused else (conv2d(x, packed, relu=False), None)
+            batch_norm.statistics(y, True, gamma, beta, 1e-5, moments=partial)
+            return y
+
+        def dgrad_bn_backward(fused: bool):
+            dx, sums = (conv2d_input_grad_sums(dy, weight, stride, pad, (h, w), saved) if fused else
+                        (conv2d_input_grad(dy, weight, stride, pad, (h, w)), None))
+            return batch_norm.backward(dx, before, saved.mean, saved.invstd, unit, y=x, sums=sums)[0]
+
+        def torch_dgrad_bn_backward():
+            dx = torch_conv_grad([True, False, False])[0] * (x_t > 0)
+            return torch.ops.aten.native_batch_norm_backward(dx, before.permute(0, 3, 1, 2), unit, None, None,
+                                                             saved.mean, saved.invstd, True, 1e-5,
+                                                             [True, False, False])[0]
+
+        def nchw(o, t):
+            return o.permute(0, 3, 1, 2), t
+
+        # name: (ours, PyTorch's, what ours returns against what PyTorch's does, who is timed beside ours)
+        passes = {
+            "forward": (lambda: conv2d(x, packed, relu=False), lambda: F.conv2d(x_t, w_t, None, stride, pad), nchw,
+                        "cudnn"),
+            "stats epi": (lambda: forward_stats(True), lambda: F.conv2d(x_t, w_t, None, stride, pad), nchw,
+                              None),
+            "stats apart": (lambda: forward_stats(False), lambda: F.conv2d(x_t, w_t, None, stride, pad),
+                                     nchw, None),
             "dgrad": (lambda: conv2d_input_grad(dy, weight, stride, pad, (h, w)),
-                      lambda: torch_conv_grad([True, False, False])[0], lambda o, t: (o.permute(0, 3, 1, 2), t)),
+                      lambda: torch_conv_grad([True, False, False])[0], nchw, "cudnn"),
+            "dgrad+bn epi": (lambda: dgrad_bn_backward(True), torch_dgrad_bn_backward, nchw, None),
+            "dgrad+bn apart": (lambda: dgrad_bn_backward(False), torch_dgrad_bn_backward, nchw, None),
             "wgrad": (lambda: conv2d_weight_grad(x, dy, k, k, stride, pad),
-                      lambda: torch_conv_grad([False, True, False])[1], lambda o, t: (o, t)),
+                      lambda: torch_conv_grad([False, True, False])[1], lambda o, t: (o, t), "cudnn"),
             "bn forward": (lambda: batch_norm.forward(c, gamma, beta, moments=moments)[0],
-                           lambda: F.batch_norm(c_t, None, None, gamma, beta, training=True),
-                           lambda o, t: (o.permute(0, 3, 1, 2), t)),
+                           lambda: F.batch_norm(c_t, None, None, gamma, beta, training=True), nchw, "torch"),
             "bn backward": (lambda: batch_norm.backward(dy, c, mean, invstd, gamma)[0],
                             lambda: torch.ops.aten.native_batch_norm_backward(
                                 dy_t, c_t, gamma, None, None, mean, invstd, True, 1e-5, [True, True, True])[0],
-                            lambda o, t: (o.permute(0, 3, 1, 2), t)),
+                            nchw, "torch"),
         }
-        if group_of(layer.path) == "stem":
-            del passes["dgrad"]
-        for name, (ours, theirs, pair) in passes.items():
+        if group_of(layer.path) == "stem":  # no image gradient
+            for name in ("dgrad", "dgrad+bn epi", "dgrad+bn apart"):
+                del passes[name]
+        elif stride > 1:  # the step assembles a strided data gradient from phases, none of which is dx
+            del passes["dgrad+bn epi"], passes["dgrad+bn apart"]
+        for name, (ours, theirs, pair, baseline) in passes.items():
             got, want = pair(ours(), theirs())
             row = {"layer": layer.path, "pass": name, "shape": layer.shape, "count": layer.count, "batch": batch,
-                   "dtype": dtype, "rel_err": float((got.float() - want.float()).norm() / want.float().norm())}
+                   "dtype": dtype, "rel_err": float((got.float() - want.float()).norm() / want.float().norm()),
+                   "alternative": baseline is None}  # a way of running passes that other rows also time
             timed = [("triton", ours)]
-            if baselines:
-                timed.append(("cudnn" if not name.startswith("bn") else "torch", theirs))
-                if name.startswith("bn"):
+            if baselines and baseline:
+                timed.append((baseline, theirs))
+                if baseline == "torch":
                     torch._dynamo.reset()
                     timed.append(("inductor", torch.compile(theirs)))
             for who, fn in timed:
                 fn()  # autotune / compile outside the timing
                 ms = row[f"{who}_ms"] = round(bench(fn), 4)
-                if not name.startswith("bn"):
+                if baseline == "cudnn":
                     row[f"{who}_tflops"] = round(layer.flops(batch) / ms / 1e9, 1) if ms else None
             rows.append(row)
     return rows

@@ -44,7 +44,8 @@ PASS_TOTALS = "a layer's ms times how often the network runs it"
 def pass_totals(rows: list[dict]) -> list[dict[str, str]]:
     """A training micro's rows summed per pass (forward, dgrad, ...) over the network, each layer's ms times its
     `count` (1 where rows are the whole schedule, as cudnn's), one column per timed rung; `all` sums a rung's column
-    over the passes where every pass has it. Empty for rows without passes (an inference micro)."""
+    over the passes where every pass has it, leaving out `alternative` rows (another way of running passes that
+    other rows also time). Empty for rows without passes (an inference micro)."""
     if not rows or "pass" not in rows[0]:
         return []
     timed = [c for c in columns(rows) if c.endswith("_ms") and c not in ("tuned_ms", "fused_ms", "unfused_ms")]
@@ -54,9 +55,10 @@ def pass_totals(rows: list[dict]) -> list[dict[str, str]]:
         for c in timed:
             if r.get(c) is not None:
                 sums[r["pass"]][c] = sums[r["pass"]].get(c, 0.0) + r.get("count", 1) * r[c]
-    every = [c for c in timed if all(c in sums[p] for p in passes)]
+    summed = [p for p in passes if not any(r.get("alternative") for r in rows if r["pass"] == p)]
+    every = [c for c in timed if all(c in sums[p] for p in summed)]
     table = [{"pass": p, **{c: f"{sums[p][c]:.2f}" if c in sums[p] else "" for c in timed}} for p in passes]
-    return table + [{"pass": "all", **{c: f"{sum(sums[p][c] for p in passes):.2f}" if c in every else ""
+    return table + [{"pass": "all", **{c: f"{sum(sums[p][c] for p in summed):.2f}" if c in every else ""
                                        for c in timed}}]
 
 
