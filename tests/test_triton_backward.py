@@ -195,17 +195,22 @@ def test_a_blocks_end_bn_add_relu_is_autograds_both_ways():
         assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("reductions", ["epilogue", "apart"])
 @pytest.mark.parametrize("kind,stride,inplanes", [("bottleneck", 2, 20), ("bottleneck", 1, 32), ("basic", 2, 20),
                                                   ("basic", 1, 32)])
-def test_a_blocks_training_step_is_autograds(kind, stride, inplanes):
+def test_a_blocks_training_step_is_autograds(kind, stride, inplanes, reductions, monkeypatch):
     """A torchvision Bottleneck or BasicBlock in training mode (with a downsample, and without: the identity
     shortcut), forward and backward through the Triton kernels, against autograd in fp64: the output, the input's
-    gradient and every parameter's."""
+    gradient and every parameter's; with the batch norms' reductions in the convolutions' epilogues, and apart
+    (each way a shape's tuning may choose: tuning.choose)."""
     import copy
 
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
+    from kernels.triton import tuning
     from kernels.triton.train_block import Grad, block_backward, block_forward, main_path
+
+    monkeypatch.setattr(tuning, "choose", lambda key, options, tune: reductions)
 
     torch.manual_seed(0)
     down = (torch.nn.Sequential(torch.nn.Conv2d(inplanes, 32, 1, stride, bias=False), torch.nn.BatchNorm2d(32))

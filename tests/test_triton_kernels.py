@@ -354,11 +354,29 @@ def test_tier_forward(model, channels_last, pairs):
 
 
 @pytest.mark.quick
+def test_a_shapes_way_of_running_comes_from_the_tables_else_the_first(monkeypatch):
+    """tuning.choose: the tables' choice for the key; without one and with nothing timed (tuning off, or where
+    timing is not allowed: the interpreter, the prepare stage), the first way; no way runs unless it is timed."""
+    from kernels.triton import tuning
+
+    ran = []
+    ways = {"epilogue": lambda: ran.append("epilogue"), "apart": lambda: ran.append("apart")}
+    key = "stats_epilogue|moments,2,7,7,8,16,3,3,1,1|bfloat16,float32"
+    monkeypatch.setitem(tuning.TABLE, key, {"choice": "apart"})
+    monkeypatch.setattr(tuning, "NO_AUTOTUNE", True)
+    assert tuning.choose(key, ways, tune=True) == "apart"
+    assert tuning.choose(key, ways, tune=False) == "epilogue"
+    assert tuning.choose(key.replace("moments", "grad_sums"), ways, tune=True) == "epilogue"
+    assert not ran and key.replace("moments", "grad_sums") not in tuning.TUNED
+
+
+@pytest.mark.quick
 def test_every_shipped_tuning_key_has_the_shape_its_kernel_builds():
     """A shipped table's key is the kernel, its key arguments' values and its tensor arguments' dtypes
     (kernels/triton/tuning.py table_key). A kernel that gains a key or a pointer argument changes every key it
     builds, and a table left as it was would silently stop serving: each key here must have as many values as
-    the kernel's key and as many dtypes as it has pointer arguments."""
+    the kernel's key and as many dtypes as it has pointer arguments. (A choice between ways of running a shape,
+    tuning.choose's, has a key of its own making.)"""
     import importlib
     import json
     import pkgutil
@@ -373,8 +391,10 @@ def test_every_shipped_tuning_key_has_the_shape_its_kernel_builds():
                 kernels_by_name[name] = obj
     wrong = []
     for table in sorted((REPO / "kernels" / "tunings").glob("*/triton.json")):
-        for key in json.loads(table.read_text())["configs"]:
+        for key, entry in json.loads(table.read_text())["configs"].items():
             name, values, dtypes = key.split("|")
+            if "choice" in entry:  # tuning.choose's: which way a shape runs, named in its own key
+                continue
             kernel = kernels_by_name[name]
             pointers = [a for a in kernel.fn.arg_names if a.endswith("_ptr")]
             if len(values.split(",")) != len(kernel.keys) or len(dtypes.split(",")) != len(pointers):

@@ -20,14 +20,37 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.triton import batch_norm
-from kernels.triton.conv import BatchNormSaved, TileStats, conv2d_stats, pack_weights
+from kernels.triton import batch_norm, tuning
+from kernels.triton.conv import BatchNormSaved, TileStats, conv2d, conv2d_stats, pack_weights
 from kernels.triton.conv_backward import conv2d_input_grad_sums, conv2d_weight_grad
 
 
-def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int, tune: bool) -> tuple[torch.Tensor, TileStats]:
-    """The convolution and its output's partial moments, for the batch norm after it."""
-    return conv2d_stats(x, pack_weights(weight, stride, pad, dtype=x.dtype), tune=tune)
+def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int,
+          tune: bool) -> tuple[torch.Tensor, TileStats | None]:
+    """The convolution, and its output's partial moments for the batch norm after it from its epilogue, or None
+    (the batch norm's moments kernel reads the output), whichever the tuning chose for the shape."""
+    packed = pack_weights(weight, stride, pad, dtype=x.dtype)
+
+    def epilogue():
+        y, moments = conv2d_stats(x, packed, tune=tune)
+        return batch_norm.statistics(y, tune, moments=moments)
+
+    def apart():
+        return batch_norm.statistics(conv2d(x, packed, relu=False, tune=tune), tune)
+
+    if tuning.choose(_stats_key("moments", x, weight, stride, pad), {"epilogue": epilogue, "apart": apart},
+                     tune) == "epilogue":
+        return conv2d_stats(x, packed, tune=tune)
+    return conv2d(x, packed, relu=False, tune=tune), None
+
+
+def _stats_key(kind: str, x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int) -> str:
+    """The tuning tables' key for the choice of where a batch norm's `kind` of reduction runs beside the
+    convolution of `weight` that reads `x`: in its epilogue or in a kernel of its own (tuning.choose)."""
+    cout, cin, kh, kw = weight.shape
+    n, h, w, _ = x.shape
+    dtypes = ",".join(str(t.dtype).removeprefix("torch.") for t in (x, weight))
+    return f"stats_epilogue|{kind},{n},{h},{w},{cin},{cout},{kh},{kw},{stride},{pad}|{dtypes}"
 
 
 @dataclass
@@ -109,9 +132,30 @@ def conv_bn_backward(dy: Grad, saved: Saved, tune, grads: dict, residual=False, 
     stride, pad = conv.stride[0], conv.padding[0]
     grads[conv.weight] = conv2d_weight_grad(saved.inp, dc, kh, kw, stride, pad, tune=tune,
                                             out=into.get(conv.weight))
-    dx = Grad(*conv2d_input_grad_sums(dc, conv.weight.detach(), stride, pad, saved.inp.shape[1:3],
-                                      bn_saved(consumer), tune=tune, add=add)) if input_grad else None
+    if not input_grad:
+        return (None, out[3]) if residual else None
+    weight, hw = conv.weight.detach(), saved.inp.shape[1:3]
+    summed = bn_saved(consumer)
+    if summed is not None and stride == 1 and not _sums_in_epilogue(dc, weight, pad, hw, summed, consumer, add, tune):
+        summed = None
+    dx = Grad(*conv2d_input_grad_sums(dc, weight, stride, pad, hw, summed, tune=tune, add=add))
     return (dx, out[3]) if residual else dx
+
+
+def _sums_in_epilogue(dc, weight, pad, hw, summed: BatchNormSaved, consumer: Saved, add, tune) -> bool:
+    """Whether the stride-1 data gradient of `weight` (its output: the gradient of `consumer`'s batch norm, which
+    saved `summed`) also writes that batch norm's gradient sums, or its backward's sums kernel reads them: whichever
+    the tuning chose for the shape (the data gradient, then that backward, timed both ways)."""
+    gamma = consumer.bn.weight.detach().float()
+
+    def through(sums_in_epilogue: bool):
+        dx, sums = conv2d_input_grad_sums(dc, weight, 1, pad, hw, summed if sums_in_epilogue else None, tune=tune,
+                                          add=add)
+        return batch_norm.backward(dx, summed.x, summed.mean, summed.invstd, gamma, y=summed.gate, tune=tune,
+                                   sums=sums)
+
+    return tuning.choose(_stats_key("grad_sums", dc, weight, 1, pad),
+                         {"epilogue": lambda: through(True), "apart": lambda: through(False)}, tune) == "epilogue"
 
 
 def block_backward(block, saved: list[Saved], dy: Grad, tune: bool = True, into: dict | None = None,

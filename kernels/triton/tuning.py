@@ -7,6 +7,8 @@ Where a kernel launches, its configuration comes from, in turn:
 2. else autotuning: every kernel is wrapped in `triton.autotune(..., cache_results=True)`, which benchmarks each
    configuration for a new key and keeps the timings in Triton's disk cache; the winner joins `TUNED`, which
    `save_tuned` writes back so the next process (or a `--retune` run's user, into kernels/tunings/) reuses it.
+The tables also hold choices between whole ways of running a shape (`choose`: {"choice": name}), made the same
+way.
 Under the interpreter (TRITON_INTERPRET=1, CPU tests) or with autotuning switched off, a kernel runs one fixed
 configuration chosen by a small heuristic instead.
 """
@@ -18,6 +20,7 @@ import operator
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import triton
 
@@ -85,6 +88,21 @@ def bench(kernel_call, quantiles):
     finally:
         STATS["seconds"] += time.perf_counter() - start
         STATS["benchmarks"] += 1
+
+
+def choose(key: str, options: dict[str, Callable[[], object]], tune: bool) -> str:
+    """Which of `options` (name -> a call that runs it, side-effect free; the first is the default) a shape runs:
+    the tuning tables' choice for `key`, else, with tuning on the GPU, the fastest by `bench`, timed once (the
+    choice joins TUNED, so tables keep it), else the first. For a fusion whose worth depends on the shape, such as a
+    reduction taken on by a convolution's epilogue (kernels/triton/train_block.py)."""
+    entry = (TABLE.get(key) or TUNED.get(key)) if tune else None
+    if entry is not None:
+        return entry["choice"]
+    if not tune or INTERPRET or NO_AUTOTUNE:
+        return next(iter(options))
+    ms = {name: bench(run, None) for name, run in options.items()}
+    TUNED[key] = {"choice": min(ms, key=ms.get), "ms": {name: round(t, 4) for name, t in ms.items()}}
+    return TUNED[key]["choice"]
 
 
 def autotune(configs, key, prune=None):
