@@ -7,10 +7,11 @@ torchvision's Bottleneck (ResNet v1.5: the stride on the 3x3): out = relu(bn3(co
 conv1(x))))))) + shortcut(x)), shortcut = bn(conv1x1/stride(x)) where the block changes shape, else x.
 BasicBlock: out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), the stride on conv1.
 Convolutions without bias, as torchvision's. The two gradients at the block's input meet in conv1's data
-gradient's epilogue (as the cuDNN rung does), not in a pass of their own. A batch norm's reductions come from the
-epilogues of the convolutions beside it where they can: its forward's moments from the convolution that feeds it,
-its backward's sums from the data gradient that produces its output's gradient (a stride-1 one: a strided data
-gradient is assembled from phases). The backward drops each convolution's saved tensors once it is done with
+gradient's epilogue (as the cuDNN rung does), not in a pass of their own. A batch norm's reductions can come from
+the epilogues of the convolutions beside it: its forward's moments from the convolution that feeds it, its
+backward's sums from the data gradient that produces its output's gradient (a stride-1 one: a strided data
+gradient is assembled from phases). Whether they do is the tuning's choice per shape: an epilogue's reduction
+slows its convolution, by more than the reduction's own pass costs at some shapes (docs/notes/triton-training.md). The backward drops each convolution's saved tensors once it is done with
 them, as autograd frees saved variables, so that memory falls through the backward instead of peaking at its end
 with every activation still held."""
 from __future__ import annotations
