@@ -299,10 +299,12 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     epilogue, then their merge into the statistics) against "stats apart" (the plain forward, then the moments
     kernel and the merge); at stride 1, "dgrad+bn epi" (the data gradient with the sums of the batch norm that
     produced x in its epilogue, then that batch norm's backward) against "dgrad+bn apart" (the sums kernel
-    instead). "bn forward" starts from the epilogue's moments, as the step does."""
+    instead): the two ways the step's tuning times per shape (train_block.conv_mean, data_grad_bn_backward). "bn
+    forward" starts from the epilogue's moments."""
     from kernels.triton import batch_norm  # Triton: only where it runs
     from kernels.triton.conv import BatchNormSaved, conv2d, conv2d_stats, pack_weights
-    from kernels.triton.conv_backward import conv2d_input_grad, conv2d_input_grad_sums, conv2d_weight_grad
+    from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
+    from kernels.triton.train_block import conv_mean, data_grad_bn_backward
 
     tdt, g = torch_dtype(dtype), torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -333,15 +335,8 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
         c_t = c.permute(0, 3, 1, 2)
         _, mean, invstd = batch_norm.forward(c, gamma, beta, moments=moments)
 
-        def forward_stats(fused: bool):
-            y, partial = conv2d_stats(x, packed) if fused else (conv2d(x, packed, relu=False), None)
-            batch_norm.statistics(y, True, gamma, beta, 1e-5, moments=partial)
-            return y
-
-        def dgrad_bn_backward(fused: bool):
-            dx, sums = (conv2d_input_grad_sums(dy, weight, stride, pad, (h, w), saved) if fused else
-                        (conv2d_input_grad(dy, weight, stride, pad, (h, w)), None))
-            return batch_norm.backward(dx, before, saved.mean, saved.invstd, unit, y=x, sums=sums)[0]
+        def dgrad_bn_backward(in_epilogue: bool):  # the stride-1 layers' (the others have no such rows)
+            return data_grad_bn_backward(dy, weight, pad, (h, w), saved, unit, None, True, in_epilogue)
 
         def torch_dgrad_bn_backward():
             dx = torch_conv_grad([True, False, False])[0] * (x_t > 0)
@@ -356,10 +351,10 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
         passes = {
             "forward": (lambda: conv2d(x, packed, relu=False), lambda: F.conv2d(x_t, w_t, None, stride, pad), nchw,
                         "cudnn"),
-            "stats epi": (lambda: forward_stats(True), lambda: F.conv2d(x_t, w_t, None, stride, pad), nchw,
-                              None),
-            "stats apart": (lambda: forward_stats(False), lambda: F.conv2d(x_t, w_t, None, stride, pad),
-                                     nchw, None),
+            "stats epi": (lambda: conv_mean(x, packed, True, True), lambda: F.conv2d(x_t, w_t, None, stride, pad),
+                          nchw, None),
+            "stats apart": (lambda: conv_mean(x, packed, True, False),
+                            lambda: F.conv2d(x_t, w_t, None, stride, pad), nchw, None),
             "dgrad": (lambda: conv2d_input_grad(dy, weight, stride, pad, (h, w)),
                       lambda: torch_conv_grad([True, False, False])[0], nchw, "cudnn"),
             "dgrad+bn epi": (lambda: dgrad_bn_backward(True), torch_dgrad_bn_backward, nchw, None),

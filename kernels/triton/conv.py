@@ -591,7 +591,7 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]) * meta["SPLIT_K"],)
 
     # res_ptr carries the residual, or the shortcut's input (y: unused); unused statistics' pointers take y and the
-    # bias, so that a launch's tensors have the same types (its tuning key) whichever statistics it writes
+    # bias, so that a launch's dtypes in its tuning key do not depend on its statistics (STATS names those)
     second = shortcut if shortcut is not None else residual if residual is not None else y
     sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
     kind = "none" if stats is None else "moments" if bn is None else "grad_sums"

@@ -11,11 +11,12 @@ gradient's epilogue (as the cuDNN rung does), not in a pass of their own. A batc
 the epilogues of the convolutions beside it: its forward's moments from the convolution that feeds it, its
 backward's sums from the data gradient that produces its output's gradient (a stride-1 one: a strided data
 gradient is assembled from phases). Whether they do is the tuning's choice per shape: an epilogue's reduction
-slows its convolution, by more than the reduction's own pass costs at some shapes (docs/notes/triton-training.md). The backward drops each convolution's saved tensors once it is done with
-them, as autograd frees saved variables, so that memory falls through the backward instead of peaking at its end
-with every activation still held."""
+slows its convolution, by more than the reduction's own pass costs at some shapes (docs/notes/triton-training.md).
+The backward drops each convolution's saved tensors once it is done with them, as autograd frees saved variables,
+so that memory falls through the backward instead of peaking at its end with every activation still held."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,26 +32,47 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int,
     """The convolution, and its output's partial moments for the batch norm after it from its epilogue, or None
     (the batch norm's moments kernel reads the output), whichever the tuning chose for the shape."""
     packed = pack_weights(weight, stride, pad, dtype=x.dtype)
+    key = _stats_key("moments", x.shape, weight.shape, x.dtype, weight.dtype, stride, pad)
+    run = functools.partial(conv_mean, x, packed, tune)
+    in_epilogue = tuning.choose(key, {"epilogue": lambda: run(True), "apart": lambda: run(False)}, tune) == "epilogue"
+    return conv_moments(x, packed, tune, in_epilogue)
 
-    def epilogue():
-        y, moments = conv2d_stats(x, packed, tune=tune)
-        return batch_norm.statistics(y, tune, moments=moments)
 
-    def apart():
-        return batch_norm.statistics(conv2d(x, packed, relu=False, tune=tune), tune)
-
-    if tuning.choose(_stats_key("moments", x, weight, stride, pad), {"epilogue": epilogue, "apart": apart},
-                     tune) == "epilogue":
+def conv_moments(x: torch.Tensor, packed, tune: bool, in_epilogue: bool) -> tuple[torch.Tensor, TileStats | None]:
+    """The convolution of `x` by `packed` (no ReLU), and its output's partial moments from its epilogue, or None."""
+    if in_epilogue:
         return conv2d_stats(x, packed, tune=tune)
     return conv2d(x, packed, relu=False, tune=tune), None
 
 
-def _stats_key(kind: str, x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int) -> str:
+def conv_mean(x: torch.Tensor, packed, tune: bool, in_epilogue: bool) -> torch.Tensor:
+    """conv_moments, then its output's statistics (the mean alone: nothing else changes): one of the two ways the
+    tuning times (and the training micro's "stats epi" / "stats apart" rows); the output."""
+    y, partial = conv_moments(x, packed, tune, in_epilogue)
+    batch_norm.statistics(y, tune, moments=partial)
+    return y
+
+
+def data_grad_bn_backward(dc: torch.Tensor, weight: torch.Tensor, pad: int, hw, summed: BatchNormSaved,
+                          gamma: torch.Tensor, add: torch.Tensor | None, tune: bool,
+                          in_epilogue: bool) -> torch.Tensor:
+    """A stride-1 data gradient, then the backward of the batch norm (which saved `summed`; its weight `gamma`)
+    whose output's gradient it is, that batch norm's sums from the data gradient's epilogue or from its sums
+    kernel: one of the two ways the tuning times (and the training micro's "dgrad+bn" rows); that backward's dx."""
+    dx, sums = conv2d_input_grad_sums(dc, weight, 1, pad, hw, summed if in_epilogue else None, tune=tune, add=add)
+    return batch_norm.backward(dx, summed.x, summed.mean, summed.invstd, gamma, y=summed.gate, tune=tune,
+                               sums=sums)[0]
+
+
+@functools.cache
+def _stats_key(kind: str, x_shape: torch.Size, weight_shape: torch.Size, x_dtype: torch.dtype,
+               weight_dtype: torch.dtype, stride: int, pad: int) -> str:
     """The tuning tables' key for the choice of where a batch norm's `kind` of reduction runs beside the
-    convolution of `weight` that reads `x`: in its epilogue or in a kernel of its own (tuning.choose)."""
-    cout, cin, kh, kw = weight.shape
-    n, h, w, _ = x.shape
-    dtypes = ",".join(str(t.dtype).removeprefix("torch.") for t in (x, weight))
+    convolution of `weight_shape` that reads `x_shape`: in its epilogue or in a kernel of its own (tuning.choose).
+    Cached: the step asks once per convolution and step."""
+    cout, cin, kh, kw = weight_shape
+    n, h, w, _ = x_shape
+    dtypes = ",".join(str(t).removeprefix("torch.") for t in (x_dtype, weight_dtype))
     return f"stats_epilogue|{kind},{n},{h},{w},{cin},{cout},{kh},{kw},{stride},{pad}|{dtypes}"
 
 
@@ -146,17 +168,11 @@ def conv_bn_backward(dy: Grad, saved: Saved, tune, grads: dict, residual=False, 
 def _sums_in_epilogue(dc, weight, pad, hw, summed: BatchNormSaved, consumer: Saved, add, tune) -> bool:
     """Whether the stride-1 data gradient of `weight` (its output: the gradient of `consumer`'s batch norm, which
     saved `summed`) also writes that batch norm's gradient sums, or its backward's sums kernel reads them: whichever
-    the tuning chose for the shape (the data gradient, then that backward, timed both ways)."""
+    the tuning chose for the shape (data_grad_bn_backward, timed both ways)."""
     gamma = consumer.bn.weight.detach().float()
-
-    def through(sums_in_epilogue: bool):
-        dx, sums = conv2d_input_grad_sums(dc, weight, 1, pad, hw, summed if sums_in_epilogue else None, tune=tune,
-                                          add=add)
-        return batch_norm.backward(dx, summed.x, summed.mean, summed.invstd, gamma, y=summed.gate, tune=tune,
-                                   sums=sums)
-
-    return tuning.choose(_stats_key("grad_sums", dc, weight, 1, pad),
-                         {"epilogue": lambda: through(True), "apart": lambda: through(False)}, tune) == "epilogue"
+    key = _stats_key("grad_sums", dc.shape, weight.shape, dc.dtype, weight.dtype, 1, pad)
+    run = functools.partial(data_grad_bn_backward, dc, weight, pad, hw, summed, gamma, add, tune)
+    return tuning.choose(key, {"epilogue": lambda: run(True), "apart": lambda: run(False)}, tune) == "epilogue"
 
 
 def block_backward(block, saved: list[Saved], dy: Grad, tune: bool = True, into: dict | None = None,
