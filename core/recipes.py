@@ -99,8 +99,9 @@ def strict_fp32() -> Iterator[None]:
 class Folded:
     """The `folded` recipe of a torchvision ResNet at `dtype`, on `device`; `fused_shortcut`: a downsample summed
     into its block's last convolution before rounding (outside fp8). fp8: `amax` is the calibration
-    (calibration_amax), and `outer` the dtype of the stem, the classifier and the block boundaries (bf16; "tf32"
-    for the interpreter's fp8 network, which has no bf16 arithmetic: fp32 storage and TF32 products)."""
+    (calibration_amax), and `outer` the dtype of the stem, the classifier, the downsamples' outputs and the last
+    block's (bf16; "tf32" for the interpreter's fp8 network, which has no bf16 arithmetic: fp32 storage and TF32
+    products); every other block's output is e4m3 (block_e4m3)."""
 
     def __init__(self, model: torch.nn.Module, dtype: str, device, fused_shortcut: bool,
                  amax: dict[str, float] | None = None, outer: str = "bf16") -> None:
@@ -111,6 +112,9 @@ class Folded:
         self.amax = amax or {}
         self.outer = outer if dtype == "fp8" else dtype
         self.round = rounder(self.outer)
+        blocks = [f"{_layer_name(model, layer)}.{i}" for layer in (model.layer1, model.layer2, model.layer3,
+                                                                     model.layer4) for i in range(len(layer))]
+        self.readers = dict(zip(blocks, blocks[1:]))  # fp8: whose conv1 reads a block's output
 
     def weights(self, conv, bn) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded weights rounded once from fp64 to the dtype (TF32: to fp32, then to nearest TF32), in fp32; the
@@ -134,8 +138,7 @@ class Folded:
         wq = codes.reshape(w.shape[2], w.shape[3], w.shape[1], w.shape[0]).permute(3, 2, 0, 1).to(self.device)
         input_scale = max(self.amax[path], 1e-30) / E4M3_MAX
         if not stored_e4m3:
-            inv = torch.tensor(1 / input_scale, dtype=torch.float32)
-            x = e4m3(x * inv.to(x.device))
+            x = e4m3(x * _f32(self.input_inv(path)).to(x.device))
         scale = (w_scale * input_scale).to(torch.float32).to(self.device)
         acc = F.conv2d(x, wq, None, conv.stride, conv.padding)
         return acc * scale[None, :, None, None] + b.float().to(self.device)[None, :, None, None]
@@ -182,18 +185,7 @@ class Folded:
             raise ValueError(f"the folded recipe covers torchvision's BasicBlock and Bottleneck, not {type(block)}")
         down = block.downsample
         if self.dtype == "fp8":
-            identity = x if down is None else r(self.conv_e4m3(x, f"{name}.downsample.0", down[0], down[1], False))
-            h = x
-            for j, i in enumerate(names):
-                conv, bn = getattr(block, "conv" + i), getattr(block, "bn" + i)
-                acc = self.conv_e4m3(h, f"{name}.conv{i}", conv, bn, stored_e4m3=j > 0)
-                if j + 1 < len(names):  # stored in e4m3, in the next convolution's input scale
-                    inv = torch.tensor(E4M3_MAX / max(self.amax[f"{name}.conv{names[j + 1]}"], 1e-30),
-                                       dtype=torch.float32)
-                    h = e4m3(F.relu(acc) * inv.to(acc.device))
-                else:
-                    h = r(F.relu(acc + identity))
-            return h
+            return self.block_e4m3(x, block, name, names)
         h = x
         for i in names[:-1]:
             h = r(F.relu(self.conv(h, getattr(block, "conv" + i), getattr(block, "bn" + i))))
@@ -202,6 +194,40 @@ class Folded:
             return r(F.relu(last + x))
         shortcut = self.conv(x, down[0], down[1])
         return r(F.relu(last + shortcut)) if self.fused_shortcut else r(F.relu(last + r(shortcut)))
+
+
+    def block_e4m3(self, x: torch.Tensor, block: torch.nn.Module, name: str, names: tuple[str, ...]) -> torch.Tensor:
+        """fp8: every convolution reads e4m3 and a block's output is stored in e4m3 in the input scale of the
+        convolution that reads it (the next block's conv1, whose downsample reads the same codes), returned as the
+        e4m3 codes themselves; the last block's output in the outer dtype. `x` as stored: e4m3 codes (in this block's
+        conv1 input scale; its residual scaled back by that scale) or outer-dtype values (the stem's output)."""
+        stored = x.dtype == torch.float8_e4m3fn
+        if stored:
+            x = x.float()
+        down = block.downsample
+        identity = (x * _f32(1 / self.input_inv(f"{name}.conv1")).to(x.device) if stored else x) if down is None else \
+            self.round(self.conv_e4m3(x, f"{name}.downsample.0", down[0], down[1], stored))
+        h = x
+        for j, i in enumerate(names):
+            conv, bn = getattr(block, "conv" + i), getattr(block, "bn" + i)
+            out = self.conv_e4m3(h, f"{name}.conv{i}", conv, bn, stored_e4m3=stored or j > 0)
+            if j + 1 < len(names):  # stored in e4m3, in the next convolution's input scale
+                h = e4m3(F.relu(out) * _f32(self.input_inv(f"{name}.conv{names[j + 1]}")).to(out.device))
+        reader = self.readers.get(name)
+        out = F.relu(out + identity)
+        if reader is None:
+            return self.round(out)
+        codes = (out * _f32(self.input_inv(f"{reader}.conv1")).to(out.device)).clamp(-E4M3_MAX, E4M3_MAX)
+        return codes.to(torch.float8_e4m3fn)
+
+    def input_inv(self, path: str) -> float:
+        """1 / a convolution's input scale: E4M3_MAX over its calibrated amax."""
+        return E4M3_MAX / max(self.amax[path], 1e-30)
+
+
+def _f32(value: float) -> torch.Tensor:
+    """A scale as the kernels take it: a Python float passed as an fp32 argument."""
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def e4m3(t: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,8 @@ def forward_rows(config: MutationConfig, on_row: Callable[[dict], None] = lambda
                        "recipe_rel_err": recipe_figures.get("norm_rel_err"),
                        "recipe_max_rel_err": recipe_figures.get("rel_err"),
                        "ratio_to_eager": parity.get("ratio_to_eager"), "reason": parity.get("reason"),
-                       "stage_rel_err": stage_figures.get("norm_rel_err"), "worst_stage": stage_figures.get("worst"),
+                       "stage_err": stage_figures.get("value"), "stage_measure": stage_figures.get("measure"),
+                       "worst_stage": stage_figures.get("worst"),
                        "stage_judged": stage_figures.get("ok") is not None,
                        "bug": mutant.bug, "kind": mutant.kind, "target": mutant.target}
                 rows.append(row)
@@ -204,7 +205,7 @@ def run(config: MutationConfig, out_dir: Path | None) -> list[dict]:
         print(f"{row['task']:5} {row['rung']:7} {row['dtype']:5} {row['mutant']:26} {verdict_}  "
               f"rel err {row['rel_err']:.2e}" + (f"  recipe {row['recipe_rel_err']:.2e} (max {row['recipe_max_rel_err']:.2e})"
                                                   if row.get("recipe_rel_err") is not None else "")
-              + (f"  stage {row['worst_stage']} {row['stage_rel_err']:.2e}" if row.get("worst_stage") else ""),
+              + (f"  stage {row['worst_stage']} {row['stage_err']:.2e} ({row['stage_measure']})" if row.get("worst_stage") else ""),
               flush=True)
 
     rows = forward_rows(config, show) + training_rows(config, show)
@@ -237,7 +238,7 @@ def markdown(rows: list[dict], config: MutationConfig) -> str:
             line = {"mutant": name}
             for r in (r for r in mine if r["mutant"] == name):
                 figure = (f"gain {r['worst_group_gain']:.2f}" if task == "train" else
-                          f"{r['worst_stage']} {r['stage_rel_err']:.1e}" if r.get("stage_judged") else
+                          f"{r['worst_stage']} {r['stage_err']:.1e} {r['stage_measure']}" if r.get("stage_judged") else
                           f"{r['recipe_rel_err'] if r.get('recipe_rel_err') is not None else r['rel_err']:.1e}")
                 line[f"{r['rung']} {r['dtype']}"] = f"{'pass' if r['ok'] else 'fail'} {figure}"
             table.append(line)

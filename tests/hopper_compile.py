@@ -84,6 +84,20 @@ def main() -> int:
     lines += compile_configs(conv2d_nhwc_kernel, conv, {**fixed, "HAS_RES": True, "STATS": "grad_sums"})
     lines += compile_configs(SimpleNamespace(fn=conv2d_nhwc_kernel.fn, configs=conv2d_nhwc_kernel.configs[:3]), conv,
                              {**fixed, "HAS_RES": False, "STATS": "moments"})
+    # fp8 inference (tiers/triton.py FP8_RECIPE): e4m3 in, e4m3 residual and output; the pair chained into the next
+    # block's conv1, its operand converted from the e4m3 tile it stores
+    e4m3 = {**conv, **{name: "*fp8e4nv" for name in ("x_ptr", "w_ptr", "res_ptr", "y_ptr")}, "res_scale": "fp32"}
+    lines += compile_configs(SimpleNamespace(fn=conv2d_nhwc_kernel.fn, configs=conv2d_nhwc_kernel.configs[:3]), e4m3,
+                             {**fixed, "KH": 1, "KW": 1, "PAD": 0, "RELU": True, "FP8": True, "W_KMAJOR": True,
+                              "HAS_RES": True, "STATS": "none"})
+    from kernels.triton.pair import conv_pair_kernel
+    pair = {**{name: "*fp8e4nv" for name in ("x_ptr", "w_ptr", "w2_ptr", "res_ptr", "y_ptr", "w3_ptr", "y3_ptr")},
+            **{name: "*fp32" for name in ("bias_ptr", "bias2_ptr", "scale_ptr", "scale2_ptr", "bias3_ptr",
+                                          "scale3_ptr")},
+            **{name: "fp32" for name in ("a_inv", "mid_inv", "out2_inv", "res_scale", "a3_inv", "out3_inv")}}
+    lines += compile_configs(SimpleNamespace(fn=conv_pair_kernel.fn, configs=conv_pair_kernel.configs[:2]), pair,
+                             {"COUT": 64, "KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "PRECISION": "ieee", "FP8": True,
+                              "W_KMAJOR": True, "K_ALIGN": 64, "SC_STRIDE": 0, "C3": 64})
     print("\n".join(lines))
     return 1 if any(line.startswith("FAILED") for line in lines) else 0
 

@@ -59,15 +59,15 @@ def test_the_stage_check_judges_its_worst_stage_where_the_dtype_has_a_tolerance(
     that should be judged by stages and gives none fails; the stages survive their file format."""
     from core.parity import STAGE_TOLERANCES, against_stages, pack_stages, stage_errors, unpack_stages
 
+    tol = STAGE_TOLERANCES["fp8"]["norm"]
     ref = [("stem", torch.ones(9, 4)), ("layer1.0", torch.ones(9, 4)), ("head", torch.full((9, 4), 1 / 3))]
-    off = [("stem", torch.ones(9, 4)), ("layer1.0", torch.full((9, 4), 1 + 2 * STAGE_TOLERANCES["fp8"])),
-           ("head", torch.full((9, 4), 1 / 3))]
+    off = [("stem", torch.ones(9, 4)), ("layer1.0", torch.full((9, 4), 1 + 2 * tol)), ("head", torch.full((9, 4), 1 / 3))]
     right = {"ok": True, "reason": None}
     wrong = against_stages(right, stage_errors(off, ref), "fp8")
     assert not wrong["ok"] and wrong["stages"]["worst"] == "layer1.0" and "stage layer1.0" in wrong["reason"]
     assert against_stages(right, stage_errors(ref, ref), "fp8")["ok"]
     recorded = against_stages(right, stage_errors(off, ref), "bf16")
-    assert recorded["ok"] and recorded["stages"]["ok"] is None and recorded["stages"]["norm_rel_err"] > 0
+    assert recorded["ok"] and recorded["stages"]["ok"] is None and recorded["stages"]["value"] > 0
     with pytest.raises(ValueError, match="not the recipe's"):
         stage_errors(off[:2], ref)
 
@@ -80,6 +80,41 @@ def test_the_stage_check_judges_its_worst_stage_where_the_dtype_has_a_tolerance(
     assert [n for n, _ in packed] == ["stem", "layer1.0", "head"] and packed[0][1].shape[0] == 8
     assert packed[1][1].dtype == torch.float32 and packed[0][1].dtype == torch.bfloat16  # bf16 only where exact
     assert torch.equal(packed[2][1], off[2][1][:8])
+
+
+@pytest.mark.quick
+def test_a_stage_stored_in_e4m3_is_judged_by_the_share_of_its_codes_that_differ():
+    """A block output stored in e4m3 moves a whole e4m3 step wherever a tiny difference crosses a rounding
+    boundary: judged by the share of codes that differ (over values not zero in both), a few codes a step off
+    pass where their norm alone would fail, and a third of them off fails; the codes survive their file format."""
+    from core.parity import STAGE_TOLERANCES, against_stages, code_share, pack_stages, stage_errors, unpack_stages
+
+    torch.manual_seed(0)
+    codes = (torch.rand(64, 32) * 8).relu().to(torch.float8_e4m3fn)
+    codes[:, :8] = 0  # ReLU's zeros: neither counted nor compared
+    live = codes.float() != 0
+
+    def stepped(share: float) -> torch.Tensor:  # `share` of the live codes one e4m3 step up
+        moved = live & (torch.rand(codes.shape) < share)
+        bits = codes.view(torch.uint8).clone()
+        bits[moved] += 1
+        return bits.view(torch.float8_e4m3fn)
+
+    ref = [("stem", torch.ones(4, 4)), ("layer1.0", codes), ("head", torch.ones(4, 4))]
+
+    def judged(share: float) -> dict:
+        out = [ref[0], ("layer1.0", stepped(share)), ref[2]]
+        return against_stages({"ok": True, "reason": None}, stage_errors(out, ref), "fp8")
+
+    rounding, bug = judged(0.05), judged(0.35)
+    assert rounding["stages"]["norm"]["layer1.0"] > STAGE_TOLERANCES["fp8"]["norm"]  # the norm would fail it
+    assert rounding["ok"] and rounding["stages"]["measure"] == "codes" and 0.02 < rounding["stages"]["value"] < 0.08
+    assert not bug["ok"] and "(codes)" in bug["reason"] and bug["stages"]["worst"] == "layer1.0"
+    assert code_share(codes, codes) == 0
+    with pytest.raises(ValueError, match="stored in"):
+        code_share(codes.float(), codes)
+    packed = unpack_stages(pack_stages(ref, images=8))
+    assert packed[1][1].dtype == torch.float8_e4m3fn and torch.equal(packed[1][1].float(), codes[:8].float())
 
 
 def test_each_stage_of_the_triton_rung_is_its_recipes_and_a_wrong_one_shows_in_its_own_stage():
@@ -100,13 +135,43 @@ def test_each_stage_of_the_triton_rung_is_its_recipes_and_a_wrong_one_shows_in_i
         return against_stages({"ok": True, "reason": None}, errors, "fp8")["stages"]
 
     right = stages(model)
-    assert list(right["each"]) == [name for name, _ in refs] and right["ok"] and right["norm_rel_err"] < 1e-3, right
+    assert list(right["norm"]) == [name for name, _ in refs] and right["ok"] and right["value"] < 1e-3, right
     for bug, stage in ((lambda m: m.layer1[0].bn1.weight.mul_(1.1), "layer1.0"), (lambda m: m.fc.bias.zero_(), "head")):
         wrong = copy.deepcopy(model)
         with torch.no_grad():
             bug(wrong)
         figures = stages(wrong)
         assert figures["worst"] == stage and not figures["ok"], (stage, figures)
+
+
+def test_the_fp8_rungs_stages_are_its_recipes_e4m3_codes_and_a_wrong_block_moves_a_third_of_them():
+    """fp8 end to end: the triton rung's fp8 network (e4m3 block outputs, each in its reader's input scale) under the
+    interpreter, each stage fed the fp8 recipe's input for it, stores the recipe's e4m3 codes at every block but a
+    few (the sums' order, and the interpreter's rounding at a binade's top: triton-lang/triton#8322); a batch-norm
+    scale 10% off in one block moves a third of that block's codes, and the stage check fails it there."""
+    from core.parity import against_stages, run_stages, stage_errors
+    from core.recipes import Folded, calibration_amax
+    from kernels.triton.resnet import TritonResNet
+
+    model = build_model("resnet18").eval()
+    x = make_input(2, 32)
+    amax = calibration_amax(copy.deepcopy(model), make_input(2, 32, seed=2))
+    refs = Folded(model, "fp8", "cpu", False, amax, outer="tf32").stage_outputs(x)
+    assert [out.dtype for _, out in refs].count(torch.float8_e4m3fn) == 7  # every block's output but the last
+
+    def stages(m):
+        with torch.no_grad():
+            net = TritonResNet(m, torch.float32, "cpu", "tf32", tune=False, fp8_amax=amax)
+            errors = stage_errors(run_stages(net.stages(torch.float32), x, refs), refs)
+        return against_stages({"ok": True, "reason": None}, errors, "fp8")["stages"]
+
+    right = stages(model)
+    assert right["ok"] and len(right["codes"]) == 7 and max(right["codes"].values()) < 0.01, right
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        wrong.layer2[0].bn1.weight.mul_(1.1)
+    figures = stages(wrong)
+    assert not figures["ok"] and figures["worst"] == "layer2.0" and figures["measure"] == "codes", figures
 
 
 def test_every_wrong_network_fails_and_the_right_one_passes_on_the_cpu():

@@ -44,8 +44,10 @@ def _precision(dtype: str) -> str:
 
 
 FP8_RECIPE = {"weights": "e4m3, one scale per output channel (batch-norm folded first)",
-              "activations": "one calibrated scale per tensor; e4m3 in memory between a block's convolutions, bf16 "
-                             "at block boundaries (the residual path), rounded to e4m3 in the dot that reads them",
+              "activations": "one calibrated scale per tensor; e4m3 in memory, between a block's convolutions and "
+                             "between blocks (the residual path too, scaled back in the epilogue that adds it); bf16 "
+                             "out of the stem, the downsamples and the last block, rounded to e4m3 in the dot that "
+                             "reads them",
               "calibration": "each convolution input's amax over the calibration input (core/recipes.py: not the "
                              "parity input; train-to-accuracy: training images), in an eager strict fp32 forward",
               "bf16 layers": "the stem and the classifier, as FP8 recipes keep the first and last layers"}
@@ -428,14 +430,16 @@ class LayerCase:
                        dtype=tdt, device=device,  # the stem packed as the network packs it
                        **({"fused": stem_fuses(tdt, precision)} if self.pooled else {}))
         # The fp8 cell's packing: e4m3 with the input's amax as its calibration, except the stem (bf16 there); as
-        # there, a bottleneck's conv1 and conv2 store their output in e4m3, which its conv2 and conv3 read.
+        # there, a block's convolutions store their output in e4m3 (the downsample in the activations' type), and
+        # every one reads e4m3 but the first block's conv1 and downsample, whose input is the stem's output.
         fp8 = dtype == "fp8" and not self.pooled
         tf32 = tdt == torch.float32 and precision == "tf32"  # as the network packs it (kernels/triton/resnet.py)
         index = block_conv_index(layer.path) if fp8 else 0
+        reads_e4m3 = fp8 and not (layer.path.startswith("layer1.0.") and index < 2)
         amax = self.x.abs().max().item()
-        self.packed = pack(input_amax=amax, output_amax=self.reference.abs().max().item() if index in (1, 2) else None
+        self.packed = pack(input_amax=amax, output_amax=self.reference.abs().max().item() if index else None
                            ) if fp8 else pack(kmajor=tf32, tf32=tf32)
-        ours_input = (self.nhwc.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn) if index > 1 else self.nhwc
+        ours_input = (self.nhwc.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn) if reads_e4m3 else self.nhwc
         self.packed_bf16 = pack() if dtype == "fp8" else None
         self.kernel = "e4m3" if fp8 else str(tdt).removeprefix("torch.")
         self.run = (partial(stem, precision=precision) if self.pooled else

@@ -98,7 +98,10 @@ def _mib(path: str) -> Callable[[dict, View], str]:
 
 def _stage(r: dict, _: View) -> str:
     par = r.get("parity") or {}
-    return f"{fmt(par['stages']['norm_rel_err'], '.1e')} {par['stages']['worst']}" if par.get("stages") else ""
+    stages = par.get("stages")
+    if not stages:
+        return ""
+    return f"{fmt(stages['value'], '.1e')} {stages['worst']}" + (" (codes)" if stages["measure"] == "codes" else "")
 
 
 TIMING_GPU = "median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one sync per forward)"
@@ -190,9 +193,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("recipe err", "parity_recipe_rel_err", at("parity.recipe.norm_rel_err"),
            _number("parity.recipe.norm_rel_err", ".1e"),
            "recipe err = ||out-recipe||/||recipe|| against the rung's own recipe at its dtype"),
-    Column("stage err", "parity_stage_rel_err", at("parity.stages.norm_rel_err"), _stage,
+    Column("stage err", "parity_stage_err", at("parity.stages.value"), _stage,
            "stage err = the same per stage, each stage of the rung fed the recipe's input for it (first images), "
-           "its worst stage (docs/notes/parity.md)"),
+           "its worst stage; (codes): a stage stored in e4m3, judged by the share of its e4m3 codes that differ "
+           "from the recipe's (docs/notes/parity.md)"),
     Column(None, "parity_worst_stage", at("parity.stages.worst")),
     Column(None, "contended", at("contention.flagged")),
     Column(None, "other_cpus_busy", at("contention.other_cpus_busy")),

@@ -217,7 +217,7 @@ def stage_reference(ctx: Context, cell: Cell) -> Path | None:
     return ctx.run.reference(cell.batch, cell.res, recipe=recipe)
 
 
-def check_parity(ctx: Context, cell: Cell, stages: dict[str, float] | None = None) -> dict:
+def check_parity(ctx: Context, cell: Cell, stages: dict[str, dict[str, float]] | None = None) -> dict:
     """The cell's output against the eager fp32 reference: one forward's logits, or a training cell's losses and
     state after the parity steps. Below fp32, also against the rung's recipe at its dtype, and as a ratio to
     eager's error at that dtype (recipe_references); where it judges stages, the child's `stages` errors too."""

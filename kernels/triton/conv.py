@@ -15,8 +15,10 @@ FP8 (e4m3, Hopper's tensor cores at twice the bf16 rate): the weights are stored
 channel (batch-norm folding gives each channel its own range). Activations have one calibrated scale per tensor. A
 tensor that only feeds the next convolution of its block is stored in e4m3 by its producer's epilogue (scaled by
 1 / its scale, saturated): the consumer's A tiles go to the tensor cores as loaded, with half the bytes of bf16.
-The block's input and output stay bf16 (the residual path keeps bf16's precision), and a convolution reading bf16
-scales each A tile by 1 / its scale and rounds it to e4m3 on the chip. Either way the fp32 accumulator is scaled
+So is a block's output, which the next block reads twice: its conv1 (and downsample) as their input, its last
+convolution as the residual, scaled back by the tensor's scale in the epilogue. Only the stem's output (the first
+block's input), the downsample's and the last block's stay bf16; a convolution reading bf16 scales each A tile by
+1 / its scale and rounds it to e4m3 on the chip. Either way the fp32 accumulator is scaled
 back by both scales before the epilogue. Hopper's FP8 (and TF32) tensor
 core instructions read B with K contiguous, so those weights are packed K-major ([COUT, K]); bf16 and strict-fp32
 weights keep COUT contiguous.
@@ -149,6 +151,22 @@ def tf32_round(t, PRECISION: tl.constexpr):
     return t
 
 
+# The interpreter converts fp32 to e4m3 to nearest except where a value rounds up into the next binade, which it
+# takes down a binade instead (127.9 to 64, not 128: triton-lang/triton#8322). Under it, to_e4m3 rounds first.
+_E4M3_ROUND_FIRST: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def to_e4m3(t):
+    """fp32 `t` (saturated to e4m3's +-448 already) as e4m3, to nearest even. Under the interpreter the value is
+    first rounded to e4m3's three mantissa bits in fp32 (exact for its normal range, to nearest even), which the
+    conversion then keeps: so the CPU tests see the GPU's rounding, and the fp8 recipe's codes."""
+    if _E4M3_ROUND_FIRST:
+        bits = t.to(tl.int32, bitcast=True)
+        t = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    return t.to(tl.float8e4nv)
+
+
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
     """fp32 weights rounded to nearest TF32 once, when packed (tf32_round does the activations as they are stored)."""
     bits = t.to(torch.float32).contiguous().view(torch.int32)
@@ -170,11 +188,21 @@ def _output_tile(offs_m, offs_n, M, COUT):
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LOAD_RES: tl.constexpr,
-              RELU: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+def _residual(res_ptr, offs, mask, res_scale):
+    """A residual tile in fp32: one stored in e4m3 (an FP8 block's input) scaled back by its scale."""
+    res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if res_ptr.dtype.element_ty.is_fp8():
+        res = res * res_scale
+    return res
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, res_scale, y_ptr, out_inv,
+              LOAD_RES: tl.constexpr, RELU: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
     """On the fp32 tile before it leaves the chip: FP8's scales, folded batch-norm bias, residual (`res`, loaded
-    early, or 0.0; with LOAD_RES loaded here, from res_ptr), ReLU; stored (in e4m3: scaled by 1 / the output's scale
-    and saturated first; under TF32 rounded to it), and returned as stored. A large tile loads its residual here, after the bias is added:
+    early, or 0.0; with LOAD_RES loaded here, from res_ptr, `_residual`), ReLU; stored (in e4m3: scaled by 1 / the
+    output's scale and saturated first; under TF32 rounded to it), and returned as stored. A large tile loads its
+    residual here, after the bias is added:
     loaded before (in the caller), it is live beside the accumulator and the bias, and a 128x128 tile needs 132
     registers instead of 128, one program per SM instead of two."""
     if FP8:
@@ -182,14 +210,15 @@ def _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, ou
     acc += bias[None, :]
     y_offs, y_mask = _output_tile(offs_m, offs_n, M, COUT)
     if LOAD_RES:
-        acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+        acc += _residual(res_ptr, y_offs, y_mask, res_scale)
     else:
         acc += res
     if RELU:
         acc = tl.maximum(acc, 0.0)
     if y_ptr.dtype.element_ty.is_fp8():
-        acc = tl.clamp(acc * out_inv, -448.0, 448.0)
-    out = tf32_round(acc.to(y_ptr.dtype.element_ty), PRECISION)
+        out = to_e4m3(tl.clamp(acc * out_inv, -448.0, 448.0))
+    else:
+        out = tf32_round(acc.to(y_ptr.dtype.element_ty), PRECISION)
     tl.store(y_ptr + y_offs, out, mask=y_mask)
     return out  # as stored (kernels/triton/pair.py multiplies it on)
 
@@ -303,7 +332,7 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
             a_mask = a_mask & inside
         a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
         if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
-            a = tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0).to(tl.float8e4nv)  # scale leaves only outliers
+            a = to_e4m3(tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0))  # scale leaves only outliers
         if W_KMAJOR:
             b_ptrs = w_ptr + offs_n[None, :] * K + k[:, None]
         else:
@@ -327,8 +356,9 @@ def conv2d_nhwc_kernel(
         M, H, W, CIN, OH, OW, COUT,              # + SC_CIN); bias [COUT] fp32; res, y [M, COUT]
         SC_H, SC_W, SC_CIN,  # the shortcut: res [N, SC_H, SC_W, SC_CIN] is the block's input, and y adds its 1x1
                              # convolution at stride SC_STRIDE (the downsample), weights after x's along K
-        scale_ptr, a_inv, out_inv,  # FP8: [COUT] fp32, the input's scale times each channel's weight scale; 1 / the
-                                    # input's scale; 1 / the output's (y in e4m3)
+        scale_ptr, a_inv, out_inv, res_scale,  # FP8: [COUT] fp32, the input's scale times each channel's weight
+                                               # scale; 1 / the input's scale; 1 / the output's (y in e4m3); the
+                                               # residual's scale (res in e4m3)
         part_ptr, count_ptr,  # split-K: fp32 partial tiles [SPLIT_K, tiles, BLOCK_M, BLOCK_N]; int32 counters [tiles]
         a_ptr, b_ptr,  # STATS: each row of tiles' two statistics per channel, fp32 [cdiv(M, BLOCK_M), COUT]
         bn_x_ptr, gate_ptr, bn_mean_ptr, bn_invstd_ptr,  # "grad_sums": the batch norm's input, ReLU'd output (both
@@ -395,7 +425,7 @@ def conv2d_nhwc_kernel(
     res = 0.0
     if EARLY and HAS_RES:
         y_offs, y_mask = _output_tile(offs_m, offs_n, M, COUT)
-        res = tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+        res = _residual(res_ptr, y_offs, y_mask, res_scale)
     acc = _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last, H, W, CIN, OH, OW, COUT,
                        SC_H, SC_W, SC_CIN, a_inv, KH, KW, STRIDE, PAD, PRECISION, FP8, W_KMAJOR, SC_STRIDE, K_ALIGN,
                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
@@ -404,8 +434,8 @@ def conv2d_nhwc_kernel(
     if not EARLY:
         bias, scale = _channel_operands(bias_ptr, scale_ptr, offs_n, n_ok, FP8)
     if SPLIT_K == 1:
-        out = _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU,
-                        FP8, PRECISION)
+        out = _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, res_scale, y_ptr, out_inv,
+                        LATE_RES, RELU, FP8, PRECISION)
         if STATS != "none":
             _tile_stats(out, offs_m, offs_n, m_ok, n_ok, pid_m, M, COUT, a_ptr, b_ptr, bn_x_ptr, gate_ptr,
                         bn_mean_ptr, bn_invstd_ptr, STATS, BLOCK_M)
@@ -423,8 +453,8 @@ def conv2d_nhwc_kernel(
                                mask=m_ok[:, None], other=0.0,
                                cache_modifier=".cg")  # from L2, where the other SMs' partials are
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-            out = _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, y_ptr, out_inv, LATE_RES, RELU,
-                            FP8, PRECISION)
+            out = _epilogue(acc, offs_m, offs_n, M, COUT, bias, scale, res, res_ptr, res_scale, y_ptr, out_inv,
+                            LATE_RES, RELU, FP8, PRECISION)
             if STATS != "none":
                 _tile_stats(out, offs_m, offs_n, m_ok, n_ok, pid_m, M, COUT, a_ptr, b_ptr, bn_x_ptr, gate_ptr,
                             bn_mean_ptr, bn_invstd_ptr, STATS, BLOCK_M)
@@ -488,7 +518,7 @@ def pack_conv(weight, stride=1, pad=0, bn=None, bias=None, dtype=torch.float32, 
         input_scale = max(input_amax, 1e-30) / E4M3_MAX
         return PackedConv(e4m3.to(device).contiguous(), bias32, kh, kw, stride, pad, cout, kmajor=True, fp8=True,
                           scale=(w_scale * input_scale).to(device, torch.float32).contiguous(),
-                          input_inv=1 / input_scale,
+                          input_inv=E4M3_MAX / max(input_amax, 1e-30),  # as its producer's output_inv, exactly
                           output_inv=E4M3_MAX / max(output_amax, 1e-30) if output_amax is not None else None,
                           output_dtype=torch.float8_e4m3fn if output_amax is not None else dtype)
     if tf32:
@@ -522,6 +552,13 @@ def _zero_bias(cout: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(cout, device=device, dtype=torch.float32)
 
 
+def check_residual_scale(residual: torch.Tensor | None, scale: float | None) -> None:
+    """A residual stored in e4m3 needs its scale to be read back; one in any other type has none."""
+    if (residual is not None and residual.dtype == torch.float8_e4m3fn) != (scale is not None):
+        raise ValueError(f"a residual in e4m3 takes its scale (residual_scale), any other none; got a "
+                         f"{None if residual is None else residual.dtype} residual and scale {scale}")
+
+
 def fuse_shortcut(last: PackedConv, down: PackedConv) -> PackedConv:
     """A block's last convolution with its downsample (1x1, batch-norm folded) fused in: relu(conv(x) +
     downsample(block input)) as one GEMM whose K runs over the convolution's window and then the block input's
@@ -537,11 +574,12 @@ def fuse_shortcut(last: PackedConv, down: PackedConv) -> PackedConv:
 
 def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
            precision: str = "ieee", tune: bool = True, pdl: bool = False,
-           shortcut: torch.Tensor | None = None) -> torch.Tensor:
+           shortcut: torch.Tensor | None = None, residual_scale: float | None = None) -> torch.Tensor:
     """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN]); with a fused downsample
-    (fuse_shortcut), relu(conv(x) + downsample(shortcut) + bias), `shortcut` the block's input. `pdl`: launched as a
-    programmatic dependent launch (kernels/triton/pdl.py)."""
-    return _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut)[0]
+    (fuse_shortcut), relu(conv(x) + downsample(shortcut) + bias), `shortcut` the block's input. A residual stored in
+    e4m3 comes with its scale (`residual_scale`). `pdl`: launched as a programmatic dependent launch
+    (kernels/triton/pdl.py)."""
+    return _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, residual_scale=residual_scale)[0]
 
 
 class TileStats(NamedTuple):
@@ -575,12 +613,14 @@ def conv2d_stats(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None =
     return y, TileStats(a, b, chosen["BLOCK_M"])
 
 
-def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn=None) -> tuple[torch.Tensor, dict]:
+def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn=None,
+            residual_scale=None) -> tuple[torch.Tensor, dict]:
     """conv2d's launch, also for conv2d_stats (`stats`: the two statistics' buffers; `bn`: a BatchNormSaved for
     "grad_sums", else "moments"): y and the meta-parameters it ran with."""
     if bool(p.shortcut_stride) != (shortcut is not None) or (shortcut is not None and residual is not None):
         raise ValueError("a convolution with its downsample fused in takes the block's input as `shortcut` (and no "
                          "residual); any other takes no shortcut")
+    check_residual_scale(residual, residual_scale)
     n, h, w, cin = x.shape
     cout = p.cout
     oh, ow = p.output_size(h, w)
@@ -597,7 +637,7 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn
     kind = "none" if stats is None else "moments" if bn is None else "grad_sums"
     args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
-            *_split_buffers(x.device), *(stats or (p.bias, p.bias)), *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,
+            residual_scale or 1.0, *_split_buffers(x.device), *(stats or (p.bias, p.bias)), *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,
             p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor, p.shortcut_stride,
             math.gcd(p.kw * cin, sc_cin, 128), kind)
     chosen = launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size(), sc_cin),

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights, _window_gemm,
-                                 tf32_round)
+from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights,
+                                 _window_gemm, check_residual_scale, tf32_round, to_e4m3)
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 
@@ -75,8 +75,9 @@ def conv_pair_kernel(
         M, H, W, CIN, OH, OW, COUT2,        # res, y [M, COUT2]
         SC_H, SC_W, SC_CIN,  # a downsample fused into conv3 (conv.py `fuse_shortcut`): res [N, SC_H, SC_W, SC_CIN] is
                              # the block's input, read at stride SC_STRIDE (0: none; res is the residual)
-        scale_ptr, a_inv, mid_inv, scale2_ptr,  # FP8: conv2's scales ([COUT], 1 / x's), 1 / conv3's input scale,
-                                                # conv3's scales [COUT2] (conv.py's kernel has the same)
+        scale_ptr, a_inv, mid_inv, scale2_ptr, out2_inv, res_scale,  # FP8: conv2's scales ([COUT], 1 / x's), 1 /
+        # conv3's input scale, conv3's scales [COUT2], 1 / its output's scale (y in e4m3), the residual's scale
+        # (res in e4m3) (conv.py's kernel has the same)
         w3_ptr, bias3_ptr, y3_ptr, scale3_ptr, a3_inv, out3_inv,  # the next block's conv1 (C3 > 0): w3 [COUT2, C3]
         # or K-major [C3, COUT2], y3 [M, C3]; FP8: its scales [C3], 1 / its input's scale, 1 / its output's scale
         COUT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
@@ -101,7 +102,7 @@ def conv_pair_kernel(
         acc = acc * scale[None, :]
     mid = tl.maximum(acc + bias[None, :], 0.0)  # conv2's output, rounded as it would have been stored
     if FP8:
-        mid = tl.clamp(mid * mid_inv, -448.0, 448.0).to(tl.float8e4nv)
+        mid = to_e4m3(tl.clamp(mid * mid_inv, -448.0, 448.0))
     else:
         mid = tf32_round(mid.to(x_ptr.dtype.element_ty), PRECISION)
 
@@ -130,16 +131,19 @@ def conv_pair_kernel(
                 acc2 = tl.dot(a, _weight_rows(w2_ptr, COUT + kk, offs_n, k_ok, n_ok, K2, COUT2, W_KMAJOR), acc2,
                               input_precision=PRECISION)
         bias2, scale2 = _channel_operands(bias2_ptr, scale2_ptr, offs_n, n_ok, FP8)
-        out = _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, y_ptr, 1.0, SC_STRIDE == 0,
-                        True, FP8, PRECISION)
-        if C3 > 0:  # the slice as stored, into the next conv1 (in FP8 rounded to e4m3 as that conv1 would)
-            if FP8:
-                out = tl.clamp(out.to(tl.float32) * a3_inv, -448.0, 448.0).to(tl.float8e4nv)
+        out = _epilogue(acc2, offs_m, offs_n, M, COUT2, bias2, scale2, 0.0, res_ptr, res_scale, y_ptr, out2_inv,
+                        SC_STRIDE == 0, True, FP8, PRECISION)
+        if C3 > 0:  # the slice as stored, into the next conv1 (in FP8 as e4m3 in its input scale, as it would read it)
+            if FP8:  # stored in e4m3 already (in y's scale), it is rescaled all the same: the dot then multiplies a
+                # value of its own, not the stored one (which on sm90 gave results that changed from call to call:
+                # results/.../checks/fp8-e4m3-boundaries/)
+                rescale = a3_inv / out2_inv if y_ptr.dtype.element_ty.is_fp8() else a3_inv
+                out = to_e4m3(tl.clamp(out.to(tl.float32) * rescale, -448.0, 448.0))
             acc3 = tl.dot(out, _weight_rows(w3_ptr, offs_n, offs_c3, n_ok, c3_ok, COUT2, C3, W_KMAJOR), acc3,
                           input_precision=PRECISION)
     if C3 > 0:
         bias3, scale3 = _channel_operands(bias3_ptr, scale3_ptr, offs_c3, c3_ok, FP8)
-        _epilogue(acc3, offs_m, offs_c3, M, C3, bias3, scale3, 0.0, y3_ptr, y3_ptr, out3_inv, False, True, FP8,
+        _epilogue(acc3, offs_m, offs_c3, M, C3, bias3, scale3, 0.0, y3_ptr, 1.0, y3_ptr, out3_inv, False, True, FP8,
                   PRECISION)
 
 
@@ -190,10 +194,12 @@ def chain_pays(tail: PackedConv, nxt: PackedConv) -> bool:
 
 def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.Tensor | None = None,
               precision: str = "ieee", tune: bool = True, pdl: bool = False, shortcut: torch.Tensor | None = None,
-              chain: PackedConv | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              chain: PackedConv | None = None,
+              residual_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """relu(tail(relu(p(x))) + residual) in one launch, NHWC in and out: as conv2d(conv2d(x, p), tail,
     residual=residual), p's output rounded to its stored type but never stored (pairable(p, tail) must hold). With
-    a downsample fused into `tail`, the block's input comes as `shortcut` instead of a residual, as in conv2d.
+    a downsample fused into `tail`, the block's input comes as `shortcut` instead of a residual, and a residual in
+    e4m3 with its `residual_scale`, as in conv2d.
     `chain`: the next block's conv1 (chainable(tail, chain)), run in the same launch on the output as stored.
     Returns the output and the chained convolution's output (None without `chain`)."""
     if not pairable(p, tail) or (chain is not None and not chainable(tail, chain)):
@@ -204,6 +210,7 @@ def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.
     if bool(tail.shortcut_stride) != (shortcut is not None) or (residual is None) == (shortcut is None):
         raise ValueError("conv_pair takes the block's input as `shortcut` where a downsample is fused into its 1x1, "
                          "else a `residual`")
+    check_residual_scale(residual, residual_scale)
     n, h, w, cin = x.shape
     oh, ow = p.output_size(h, w)
     m, cout2 = n * oh * ow, tail.cout
@@ -220,7 +227,7 @@ def conv_pair(x: torch.Tensor, p: PackedConv, tail: PackedConv, residual: torch.
     args = (x, p.weight, p.bias, tail.weight, tail.bias, shortcut if shortcut is not None else residual, y, m, h, w,
             cin, oh, ow, cout2, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointers
-            tail.scale if tail.fp8 else tail.bias,
+            tail.scale if tail.fp8 else tail.bias, tail.output_inv or 1.0, residual_scale or 1.0,
             nxt.weight, nxt.bias, y3 if chain is not None else y, nxt.scale if nxt.fp8 else nxt.bias, nxt.input_inv,
             nxt.output_inv or 1.0,
             p.cout, p.kh, p.kw, p.stride, p.pad, precision, p.fp8, p.kmajor, math.gcd(row, 128), tail.shortcut_stride,

@@ -42,6 +42,14 @@ def block_conv_index(path: str) -> int:
     return int(conv[1]) if conv else 0
 
 
+def readers(blocks: list[str], convs: int) -> dict[str, str]:
+    """For each block convolution (module path) whose output one convolution reads first, that one's path: conv1 ->
+    conv2 -> ... -> the block's last (conv<convs>) -> the next block's conv1 (which the next downsample reads too, in
+    the same scale). The downsamples and the last block's last convolution are not in it."""
+    within = {f"{b}.conv{i}": f"{b}.conv{i + 1}" for b in blocks for i in range(1, convs)}
+    return within | {f"{b}.conv{convs}": f"{nxt}.conv1" for b, nxt in zip(blocks, blocks[1:])}
+
+
 def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None, first: torch.Tensor | None = None,
               chain: PackedConv | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """relu(convs(x) + shortcut(x)) on NHWC `x`, every batch-norm, ReLU and the residual add fused into the convs;
@@ -51,15 +59,16 @@ def run_block(x: torch.Tensor, packed, conv=conv2d, pair=None, first: torch.Tens
     convs, down = packed
     identity = x if down is None else conv(x, down, relu=False)
     h = first if first is not None else conv(x, convs[0])
+    if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
+        side = {"shortcut": identity}
+    else:  # in FP8 the block's input may be stored in e4m3: in its conv1's input scale
+        side = {"residual": identity,
+                "residual_scale": 1 / convs[0].input_inv if identity.dtype == torch.float8_e4m3fn else None}
     if pair is not None:
-        # the downsample fused in: it reads the block's input itself
-        side = {"shortcut": identity} if convs[-1].shortcut_stride else {"residual": identity}
         return pair(h, convs[1], convs[2], chain=chain, **side)
     for p in convs[1:-1]:
         h = conv(h, p)
-    if convs[-1].shortcut_stride:  # the downsample fused in: it reads the block's input itself
-        return conv(h, convs[-1], shortcut=identity), None
-    return conv(h, convs[-1], residual=identity), None
+    return conv(h, convs[-1], **side), None
 
 
 PAIRS = ("auto", "on", "off")
@@ -69,8 +78,9 @@ class TritonResNet:
     """torchvision's ResNet (BasicBlock or Bottleneck blocks) with batch-norm folded at construction.
     `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32" (weights K-major).
     `fp8_amax`: each convolution's calibrated input amax by module path (input_amax): the blocks' convolutions then
-    run in e4m3, the activations between them stored in e4m3 and those at block boundaries in `dtype` (bf16); the
-    stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
+    run in e4m3 and store their outputs in e4m3, in the scale of the convolution that reads them (a block's last:
+    the next block's conv1), except the downsample's and the last block's, in `dtype` (bf16); the stem and the
+    classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
     programmatic dependent launch (kernels/triton/pdl.py). `pairs`: a bottleneck's conv2 and conv3 as one kernel
     (kernels/triton/pair.py) in every block whose downsample, if any, is fused into conv3 ("on"), in those where it
     pays ("auto", `pays`), or in none ("off"); `chains`: a pair also runs the next block's conv1 on its output,
@@ -89,19 +99,21 @@ class TritonResNet:
         self.avg_pool = partial(global_avg_pool, tune=tune, pdl=pdl, precision=precision)
         kmajor = dtype == torch.float32 and precision == "tf32"
 
+        blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
+                                                                    model.layer4)) for j in range(len(layer))]
+        reader = readers(blocks, 3 if hasattr(model.layer1[0], "conv3") else 2)
+
         def packing(path: str) -> dict:
             if not fp8_amax:
                 return {"kmajor": kmajor, "tf32": kmajor}
-            # A convolution feeding the next one of its block (conv1 -> conv2 -> conv3) writes e4m3 in that one's
-            # input scale; the block's last, and the downsample, write bf16 for the residual path.
-            i = block_conv_index(path)
-            return {"input_amax": fp8_amax[path], "output_amax": fp8_amax.get(f"{path[:-1]}{i + 1}") if i else None}
+            # e4m3 out in the scale of the convolution that reads the output; the downsample's and the last
+            # block's output (the average pool's input) in bf16
+            return {"input_amax": fp8_amax[path],
+                    "output_amax": fp8_amax[reader[path]] if path in reader else None}
 
         # with its max-pool fused in, except in strict fp32, whose FMAs would pay the fused layout's multiplies
         self.stem = _pack(model.conv1, model.bn1, dtype, device, pack_stem, kmajor=kmajor, tf32=kmajor,
                           fused=stem_fuses(dtype, precision))
-        blocks = [f"layer{i + 1}.{j}" for i, layer in enumerate((model.layer1, model.layer2, model.layer3,
-                                                                    model.layer4)) for j in range(len(layer))]
         self.blocks = [pack_block(block, dtype, device, packing, f"{name}.") for name, block in zip(
             blocks, (b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer))]
         fc = model.fc  # the classifier is a 1x1 convolution of the pooled [N, 1, 1, C] features
@@ -147,10 +159,12 @@ class TritonResNet:
     def stages(self, dtype: torch.dtype) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """The network as the parity recipe's stages (core/recipes.py `Folded.stages`): the stem, each block alone
         (its pair where forward would run one, never chained) and the head, each on an NCHW input converted to
-        `dtype` (the activations' type), returning NCHW: so each can be fed the recipe's own input and judged
-        alone, before the network amplifies a small difference."""
-        def nhwc(x):
-            return x.permute(0, 2, 3, 1).contiguous().to(dtype)
+        `dtype` (the activations' type; in FP8 a block's input stored in e4m3 is read as stored), returning NCHW
+        as stored: so each can be fed the recipe's own input and judged alone, before the network amplifies a
+        small difference."""
+        def nhwc(x):  # a block's input stored in e4m3 (fp8) is read as stored
+            x = x.permute(0, 2, 3, 1).contiguous()
+            return x if x.dtype == torch.float8_e4m3fn else x.to(dtype)
 
         def block(x, packed):
             x = nhwc(x)
