@@ -150,7 +150,7 @@ def _break_launches(net: Any, mutant: Mutant) -> None:
         elif mutant.name == "relu-dropped" and path == last:
             kwargs["relu"] = False
         elif mutant.name == "residual-dropped" and path == last:
-            kwargs["residual"] = None
+            kwargs["residual"] = kwargs["residual_scale"] = None
         return plain(x, p, **kwargs)
 
     net.conv = conv_of

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights,
-                                 _window_gemm, check_residual_scale, tf32_round, to_e4m3)
+                                 _window_gemm, check_residual_scale, dot_fp32, tf32_round, to_e4m3)
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
 
@@ -121,8 +121,7 @@ def conv_pair_kernel(
     for n0 in range(0, COUT2, BLOCK_N2):  # conv3, BLOCK_N2 output channels at a time, each with its epilogue
         offs_n = n0 + tl.arange(0, BLOCK_N2)
         n_ok = offs_n < COUT2
-        acc2 = tl.dot(mid, _weight_rows(w2_ptr, offs_c, offs_n, c_ok, n_ok, K2, COUT2, W_KMAJOR),
-                      input_precision=PRECISION)
+        acc2 = dot_fp32(mid, _weight_rows(w2_ptr, offs_c, offs_n, c_ok, n_ok, K2, COUT2, W_KMAJOR), None, PRECISION)
         if SC_STRIDE > 0:  # plus the downsample: the block input's channels, BLOCK_K at a time
             for k0 in range(0, SC_CIN, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
@@ -139,8 +138,8 @@ def conv_pair_kernel(
                 # results/.../checks/fp8-e4m3-boundaries/)
                 rescale = a3_inv / out2_inv if y_ptr.dtype.element_ty.is_fp8() else a3_inv
                 out = to_e4m3(tl.clamp(out.to(tl.float32) * rescale, -448.0, 448.0))
-            acc3 = tl.dot(out, _weight_rows(w3_ptr, offs_n, offs_c3, n_ok, c3_ok, COUT2, C3, W_KMAJOR), acc3,
-                          input_precision=PRECISION)
+            acc3 = dot_fp32(out, _weight_rows(w3_ptr, offs_n, offs_c3, n_ok, c3_ok, COUT2, C3, W_KMAJOR), acc3,
+                            PRECISION)
     if C3 > 0:
         bias3, scale3 = _channel_operands(bias3_ptr, scale3_ptr, offs_c3, c3_ok, FP8)
         _epilogue(acc3, offs_m, offs_c3, M, C3, bias3, scale3, 0.0, y3_ptr, 1.0, y3_ptr, out3_inv, False, True, FP8,
