@@ -50,6 +50,8 @@ FP8_RECIPE = {"weights": "e4m3, one scale per output channel (batch-norm folded 
                              "reads them",
               "calibration": "each convolution input's amax over the calibration input (core/recipes.py: not the "
                              "parity input; train-to-accuracy: training images), in an eager strict fp32 forward",
+              "sums": "e4m3 products summed by the tensor cores within a K step, into fp32 after each "
+                      "(kernels/triton/conv.py dot_fp32)",
               "bf16 layers": "the stem and the classifier, as FP8 recipes keep the first and last layers"}
 
 
