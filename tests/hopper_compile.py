@@ -43,7 +43,7 @@ def compile_once(kernel, types: dict[str, str], constants: dict[str, object]) ->
 
 
 def main() -> int:
-    from kernels.triton.batch_norm import (BLOCK_C, BLOCK_P, BLOCK_S, _channel_affine_kernel, _grad_finalize_kernel,
+    from kernels.triton.batch_norm import (BLOCK_C, BLOCK_S, _channel_affine_kernel, _grad_finalize_kernel,
                                            _grad_sums_kernel, _merge_slices_kernel, _moments_finalize_kernel,
                                            _moments_kernel)
     from kernels.triton.conv_backward import SUM_BLOCK, _sum_slices_kernel, conv2d_weight_grad_kernel
@@ -69,9 +69,9 @@ def main() -> int:
                                                      if name.endswith("_ptr")},
                               {"MOMENTS": moments, "BLOCK_C": BLOCK_C, "BLOCK_S": BLOCK_S})
     tiles = {name: "*bf16" for name in ("u_ptr", "v_ptr", "r_ptr", "gate_ptr", "out_ptr", "gated_ptr")}
-    lines += compile_once(_channel_affine_kernel, {**tiles, **{f"k{i}_ptr": "*fp32" for i in (1, 2, 3)}},
-                          {"HAS_V": True, "HAS_R": False, "GATE": True, "KEEP_GATED": True, "RELU": False,
-                           "BLOCK_P": BLOCK_P, "BLOCK_C": BLOCK_C})
+    lines += compile_configs(_channel_affine_kernel, {**tiles, **{f"k{i}_ptr": "*fp32" for i in (1, 2, 3)}},
+                             {"HAS_V": True, "HAS_R": False, "GATE": True, "KEEP_GATED": True, "RELU": False,
+                              "BLOCK_C": BLOCK_C})
     # the convolution with the training step's epilogue statistics (kernels/triton/conv.py _tile_stats): the data
     # gradient's sums (the most registers: its largest tile reaches 255) in every configuration, the moments in the
     # three largest tiles

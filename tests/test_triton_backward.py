@@ -334,9 +334,9 @@ def test_two_training_steps_are_eager_steps():
 
 def test_every_training_kernels_configuration_compiles_for_hopper():
     """The autotuner's configurations of the weight gradient (by taps, and with the taps in the tile), of the
-    batch norm's reductions and of the convolution with the step's epilogue statistics, and the finalize, affine and
-    slice-sum kernels, which the interpreter never compiles: each through Triton's compiler and ptxas for sm90
-    (tests/hopper_compile.py)."""
+    batch norm's reductions and affine pass, of the convolution with the step's epilogue statistics and of fp8
+    inference's convolution and chained pair, and the finalize and slice-sum kernels, which the interpreter never
+    compiles: each through Triton's compiler and ptxas for sm90 (tests/hopper_compile.py)."""
     from core.paths import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -344,11 +344,12 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
-    assert proc.stdout.count("ok conv2d_nhwc_kernel") == len(CONV_CONFIGS) + 3
-    assert proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel") == len(
-        REDUCTION_CONFIGS)
+    assert proc.stdout.count("ok conv2d_nhwc_kernel") == len(CONV_CONFIGS) + 3 + 3  # + fp8 inference's
+    assert proc.stdout.count("ok conv_pair_kernel") == 2
+    assert (proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel")
+            == proc.stdout.count("ok _channel_affine_kernel") == len(REDUCTION_CONFIGS))
     assert all(proc.stdout.count(f"ok {kernel}") == 1 for kernel in
-               ("_moments_finalize_kernel", "_grad_finalize_kernel", "_channel_affine_kernel", "_sum_slices_kernel"))
+               ("_moments_finalize_kernel", "_grad_finalize_kernel", "_sum_slices_kernel"))
     assert proc.stdout.count("ok _merge_slices_kernel") == 2
 
 

@@ -213,14 +213,18 @@ def _grad_finalize_kernel(sum_dy_ptr, sum_dy_xhat_ptr, gamma_ptr, mean_ptr, invs
     tl.store(k3_ptr + offs_c, k1 * (mean * invstd * dgamma - dbeta) / P, mask=c_ok)
 
 
+# The affine pass streams two to four tensors and writes one or two: a tile of BLOCK_P rows of 64 channels, its
+# row count and warps tuned per shape as the reductions' are (untuned, 32 rows and 4 warps: 9.3 ms a training step
+# at bf16 b256 on the H200, about 70% of the copy rate; results/nvidia-h200/train/triton/reduction-choice/).
+@tuning.autotune(REDUCTION_CONFIGS, key=["P", "C", "HAS_V", "HAS_R", "GATE", "KEEP_GATED", "RELU"])
 @triton.jit
 def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, gated_ptr, k1_ptr, k2_ptr, k3_ptr, P, C,
                            HAS_V: tl.constexpr, HAS_R: tl.constexpr, GATE: tl.constexpr, KEEP_GATED: tl.constexpr,
-                           RELU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                           RELU: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """out = k1[c] * u + k2[c] * v + r + k3[c], in fp32, stored in out's type: v (scaled per channel) and r (a
     residual, added as is) where given; u zeroed where `gate` is not positive (GATE: a ReLU's backward), and that
     gated u also stored to `gated` (KEEP_GATED: a block's residual gradient, without a pass of its own); the sum
-    through a ReLU (RELU)."""
+    through a ReLU (RELU). Idempotent, so the autotuner may run it several times."""
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
@@ -242,18 +246,21 @@ def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, gated_ptr, k1
     tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, v: torch.Tensor | None = None,
+def _affine(u: torch.Tensor, k1: torch.Tensor, k3: torch.Tensor, tune: bool, v: torch.Tensor | None = None,
             k2: torch.Tensor | None = None, residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
             relu: bool = False, gated: torch.Tensor | None = None) -> torch.Tensor:
     """The affine map's output (u's type); `gated`, where given, receives u through the gate."""
     c = u.shape[-1]
     p = u.numel() // c
     out = torch.empty_like(u)
-    grid = (triton.cdiv(p, BLOCK_P), triton.cdiv(c, BLOCK_C))
-    _channel_affine_kernel[grid](u, u if v is None else v, u if residual is None else residual,
-                                 u if gate is None else gate, out, u if gated is None else gated, k1,
-                                 k1 if k2 is None else k2, k3, p, c, v is not None, residual is not None,
-                                 gate is not None, gated is not None, relu, BLOCK_P, BLOCK_C)
+
+    def grid(meta):
+        return (triton.cdiv(p, meta["BLOCK_P"]), triton.cdiv(c, BLOCK_C))
+
+    tuning.launch(_channel_affine_kernel, grid,
+                  (u, u if v is None else v, u if residual is None else residual, u if gate is None else gate, out,
+                   u if gated is None else gated, k1, k1 if k2 is None else k2, k3, p, c, v is not None,
+                   residual is not None, gate is not None, gated is not None, relu, BLOCK_C), tune, UNTUNED)
     return out
 
 
@@ -275,15 +282,15 @@ def forward(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
     x's partial moments where its producer wrote them (conv.conv2d_stats), else the moments kernel reads x.
     `residual`: a tensor, or another batch norm's Normalized output, applied in the same pass."""
     stats = statistics(x, tune, gamma, beta, eps, running, momentum, moments)
-    return apply(x, stats, residual, relu), stats.mean, stats.invstd
+    return apply(x, stats, residual, relu, tune), stats.mean, stats.invstd
 
 
 def apply(x: torch.Tensor, stats: Statistics, residual: torch.Tensor | Normalized | None = None,
-          relu: bool = False) -> torch.Tensor:
+          relu: bool = False, tune: bool = True) -> torch.Tensor:
     """forward's pass: stats' affine map of x, the residual added (a Normalized one mapped on the way), the ReLU."""
     if isinstance(residual, Normalized):
-        return _affine(x, stats.scale, stats.shift + residual.shift, v=residual.x, k2=residual.scale, relu=relu)
-    return _affine(x, stats.scale, stats.shift, residual=residual, relu=relu)
+        return _affine(x, stats.scale, stats.shift + residual.shift, tune, v=residual.x, k2=residual.scale, relu=relu)
+    return _affine(x, stats.scale, stats.shift, tune, residual=residual, relu=relu)
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor,
@@ -304,7 +311,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torc
     _grad_finalize_kernel[(triton.cdiv(c, BLOCK_C),)](sum_dy, sum_dy_xhat, gamma, mean, invstd, dgamma, dbeta, k1,
                                                        k2, k3, p, c, slices, BLOCK_C, BLOCK_S)
     gated = torch.empty_like(dy) if residual and y is not None else None  # the residual's gradient: dy past the ReLU
-    dx = _affine(dy, k1, k3, x, k2, gate=y, gated=gated)
+    dx = _affine(dy, k1, k3, tune, x, k2, gate=y, gated=gated)
     if not residual:
         return dx, dgamma, dbeta
     return dx, dgamma, dbeta, (dy if y is None else gated)

@@ -98,7 +98,7 @@ def conv_bn(x, conv, bn, tune, residual=None, relu=True, deferred=False) -> tupl
     stats = batch_norm.statistics(c, tune, bn.weight.detach().float(), bn.bias.detach().float(), bn.eps,
                                   (bn.running_mean, bn.running_var, bn.num_batches_tracked), bn.momentum, moments)
     y = batch_norm.Normalized(c, stats.scale, stats.shift) if deferred else \
-        batch_norm.apply(c, stats, residual, relu)
+        batch_norm.apply(c, stats, residual, relu, tune)
     return y, Saved(conv, bn, relu, x, c, stats.mean, stats.invstd, y if relu else None)
 
 
