@@ -138,7 +138,7 @@ class Folded:
         wq = codes.reshape(w.shape[2], w.shape[3], w.shape[1], w.shape[0]).permute(3, 2, 0, 1).to(self.device)
         input_scale = max(self.amax[path], 1e-30) / E4M3_MAX
         if not stored_e4m3:
-            x = e4m3(x * _f32(self.input_inv(path)).to(x.device))
+            x = e4m3(x * self.fp32(self.input_inv(path), x.device))
         scale = (w_scale * input_scale).to(torch.float32).to(self.device)
         acc = F.conv2d(x, wq, None, conv.stride, conv.padding)
         return acc * scale[None, :, None, None] + b.float().to(self.device)[None, :, None, None]
@@ -195,39 +195,39 @@ class Folded:
         shortcut = self.conv(x, down[0], down[1])
         return r(F.relu(last + shortcut)) if self.fused_shortcut else r(F.relu(last + r(shortcut)))
 
-
     def block_e4m3(self, x: torch.Tensor, block: torch.nn.Module, name: str, names: tuple[str, ...]) -> torch.Tensor:
         """fp8: every convolution reads e4m3 and a block's output is stored in e4m3 in the input scale of the
         convolution that reads it (the next block's conv1, whose downsample reads the same codes), returned as the
         e4m3 codes themselves; the last block's output in the outer dtype. `x` as stored: e4m3 codes (in this block's
         conv1 input scale; its residual scaled back by that scale) or outer-dtype values (the stem's output)."""
         stored = x.dtype == torch.float8_e4m3fn
-        if stored:
-            x = x.float()
+        x = x.float()
         down = block.downsample
-        identity = (x * _f32(1 / self.input_inv(f"{name}.conv1")).to(x.device) if stored else x) if down is None else \
-            self.round(self.conv_e4m3(x, f"{name}.downsample.0", down[0], down[1], stored))
+        if down is not None:
+            identity = self.round(self.conv_e4m3(x, f"{name}.downsample.0", down[0], down[1], stored))
+        else:
+            identity = x * self.fp32(1 / self.input_inv(f"{name}.conv1"), x.device) if stored else x
         h = x
         for j, i in enumerate(names):
             conv, bn = getattr(block, "conv" + i), getattr(block, "bn" + i)
             out = self.conv_e4m3(h, f"{name}.conv{i}", conv, bn, stored_e4m3=stored or j > 0)
             if j + 1 < len(names):  # stored in e4m3, in the next convolution's input scale
-                h = e4m3(F.relu(out) * _f32(self.input_inv(f"{name}.conv{names[j + 1]}")).to(out.device))
-        reader = self.readers.get(name)
+                h = e4m3(F.relu(out) * self.fp32(self.input_inv(f"{name}.conv{names[j + 1]}"), out.device))
         out = F.relu(out + identity)
+        reader = self.readers.get(name)
         if reader is None:
             return self.round(out)
-        codes = (out * _f32(self.input_inv(f"{reader}.conv1")).to(out.device)).clamp(-E4M3_MAX, E4M3_MAX)
-        return codes.to(torch.float8_e4m3fn)
+        inv = self.fp32(self.input_inv(f"{reader}.conv1"), out.device)
+        return (out * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
     def input_inv(self, path: str) -> float:
-        """1 / a convolution's input scale: E4M3_MAX over its calibrated amax."""
+        """1 / a convolution's input scale: E4M3_MAX over its calibrated amax (as the kernels take it)."""
         return E4M3_MAX / max(self.amax[path], 1e-30)
 
-
-def _f32(value: float) -> torch.Tensor:
-    """A scale as the kernels take it: a Python float passed as an fp32 argument."""
-    return torch.tensor(value, dtype=torch.float32)
+    @staticmethod
+    def fp32(value: float, device) -> torch.Tensor:
+        """A scale as the kernels take it, a Python float passed as an fp32 argument; multiplied, as they do."""
+        return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def e4m3(t: torch.Tensor) -> torch.Tensor:
