@@ -77,10 +77,10 @@ PAIRS = ("auto", "on", "off")
 class TritonResNet:
     """torchvision's ResNet (BasicBlock or Bottleneck blocks) with batch-norm folded at construction.
     `precision` is the tl.dot input precision for fp32 tensors: "ieee" (strict fp32) or "tf32" (weights K-major).
-    `fp8_amax`: each convolution's calibrated input amax by module path (core/recipes.py calibration_amax): the blocks' convolutions then
-    run in e4m3 and store their outputs in e4m3, in the scale of the convolution that reads them (a block's last:
-    the next block's conv1), except the downsample's and the last block's, in `dtype` (bf16); the stem and the
-    classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
+    `fp8_amax`: each convolution's calibrated input amax by module path (core/recipes.py calibration_amax): the
+    blocks' convolutions then run in e4m3 and store their outputs in e4m3, in the scale of the convolution that
+    reads them (a block's last: the next block's conv1), except the downsample's and the last block's, in `dtype`
+    (bf16); the stem and the classifier stay bf16, as FP8 recipes keep the first and last layers. `pdl`: every kernel a
     programmatic dependent launch (kernels/triton/pdl.py). `pairs`: a bottleneck's conv2 and conv3 as one kernel
     (kernels/triton/pair.py) in every block whose downsample, if any, is fused into conv3 ("on"), in those where it
     pays ("auto", `pays`), or in none ("off"); `chains`: a pair also runs the next block's conv1 on its output,
