@@ -61,7 +61,8 @@ def test_the_stage_check_judges_its_worst_stage_where_the_dtype_has_a_tolerance(
 
     tol = STAGE_TOLERANCES["fp8"]["norm"]
     ref = [("stem", torch.ones(9, 4)), ("layer1.0", torch.ones(9, 4)), ("head", torch.full((9, 4), 1 / 3))]
-    off = [("stem", torch.ones(9, 4)), ("layer1.0", torch.full((9, 4), 1 + 2 * tol)), ("head", torch.full((9, 4), 1 / 3))]
+    off = [("stem", torch.ones(9, 4)), ("layer1.0", torch.full((9, 4), 1 + 2 * tol)),
+           ("head", torch.full((9, 4), 1 / 3))]
     right = {"ok": True, "reason": None}
     wrong = against_stages(right, stage_errors(off, ref), "fp8")
     assert not wrong["ok"] and wrong["stages"]["worst"] == "layer1.0" and "stage layer1.0" in wrong["reason"]

@@ -648,7 +648,8 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn
     kind = "none" if stats is None else "moments" if bn is None else "grad_sums"
     args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
             p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
-            residual_scale or 1.0, *_split_buffers(x.device), *(stats or (p.bias, p.bias)), *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,
+            residual_scale or 1.0, *_split_buffers(x.device), *(stats or (p.bias, p.bias)),
+            *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,
             p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor, p.shortcut_stride,
             math.gcd(p.kw * cin, sc_cin, 128), kind)
     chosen = launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size(), sc_cin),
