@@ -164,31 +164,43 @@ CONTENDED = "contended: not judged"
 # runs of the same code do, leave a wide interval (docs/notes/compare-noise-floor.md).
 # The host-paced floors come from two CPU runs of the same code whose cells moved together by 21% one time and
 # by -20% (B/A 0.80) another (the test's sweeps on a 2-core VM): a whole run's speed moves with its host.
+# A run-level shift must also move every rung of the class beyond the floor, the same way: six sweeps of the same
+# code on an idle 2-core VM (2026-12-02) doubled one rung's cells (ONNX Runtime's) now and then while eager's moved
+# under 10%, a geometric mean of 1.38 over the four cells with an interval that excluded 1.
 RUN_SHIFT_FLOOR = {"gpu": 0.02, "host": 0.27, "cpu": 0.27}
 RUN_SHIFT_MIN_CELLS = 3
 
 
 def run_shifts(rows: list[dict], threshold: float) -> list[dict]:
     """Per noise class with RUN_SHIFT_MIN_CELLS judged cells or more: the geometric mean of their B/A, its 95%
-    Student-t interval over the cells, and the verdict (regression, improvement, within noise)."""
+    Student-t interval over the cells, each rung's own geometric mean, and the verdict (regression, improvement,
+    within noise): a shift where the interval excludes 1 and every rung moved beyond the floor the same way."""
     from scipy import stats  # only compare needs it
 
     out = []
     for cls in ("gpu", "host", "cpu"):
-        logs = np.log([r["ratio"] for r in rows if judged(r) and r.get("class") == cls])
+        mine = [r for r in rows if judged(r) and r.get("class") == cls]
+        logs = np.log([r["ratio"] for r in mine])
         if len(logs) < RUN_SHIFT_MIN_CELLS:
             continue
         half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
         low, high = np.exp(logs.mean() - half), np.exp(logs.mean() + half)
         ratio, needed = float(np.exp(logs.mean())), max(threshold, RUN_SHIFT_FLOOR[cls])
+        by_rung = {rung: float(np.exp(np.mean(np.log([r["ratio"] for r in mine if r.get("rung") == rung]))))
+                   for rung in dict.fromkeys(r.get("rung") for r in mine)}
+        call = verdict(ratio, float(low), float(high), needed)
+        if any(verdict(x, x, x, needed) != call for x in by_rung.values()):
+            call = "within noise"  # one rung's draw, not the run's
         out.append({"class": cls, "cells": len(logs), "ratio": ratio, "ci_low": float(low), "ci_high": float(high),
-                    "threshold": needed, "verdict": verdict(ratio, float(low), float(high), needed)})
+                    "threshold": needed, "rungs": by_rung, "verdict": call})
     return out
 
 
 def shift_line(shift: dict) -> str:
+    rungs = shift.get("rungs") or {}
+    each = f"; by rung {', '.join(f'{r} {x:.2f}' for r, x in rungs.items())}" if len(rungs) > 1 else ""
     return (f"run level, {shift['class']} cells ({shift['cells']}): B/A geometric mean {shift['ratio']:.3f} (95% CI "
-            f"{shift['ci_low']:.3f}-{shift['ci_high']:.3f}, t over the cells, floor {shift['threshold']:.0%}): "
+            f"{shift['ci_low']:.3f}-{shift['ci_high']:.3f}, t over the cells, floor {shift['threshold']:.0%}{each}): "
             f"{shift['verdict']}")
 
 
