@@ -229,7 +229,8 @@ def markdown(rows: list[dict], config: MutationConfig) -> str:
              f"Every mutant must fail and `none` pass: **{'all as they must' if caught(rows) else 'NOT ALL CAUGHT'}**."
              " A cell: `fail`/`pass`, then the error that decided it (forward: ||out - recipe|| / ||recipe|| against "
              "the rung's recipe at the dtype where it has one, of the worst stage where the stages are judged (fp8: "
-             "each block fed the recipe's input), else max|out - ref| / max|ref| against eager fp32; "
+             "each block fed the recipe's input; `codes`: a block stored in e4m3, the share of its e4m3 codes that "
+             "differ from the recipe's), else max|out - ref| / max|ref| against eager fp32; "
              "training: the worst parameter tensor's gain).\n"]
     for task in ("infer", "train"):
         mine = [r for r in rows if r["task"] == task]
