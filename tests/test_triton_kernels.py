@@ -153,6 +153,34 @@ def test_fp8_network_passes_fp8_parity_and_a_wrong_input_fails_it():
     assert not wrong["ok"], wrong
 
 
+@pytest.mark.gpu
+def test_the_fp8_network_with_e4m3_block_outputs_and_chains_repeats_its_bits():
+    """Issue 58 on the GPU: the fp8 ResNet-50 (every block's output in e4m3, pairs and chains on) gives the same
+    logits bit for bit on every call, planned with dependent launches or through Triton's own launches. A chained
+    pair once multiplied the very e4m3 tile its epilogue stored, and its results changed from call to call on sm90
+    (`results/nvidia-h100-80gb-hbm3/checks/fp8-e4m3-boundaries/` before f1fe746); its operand is converted now."""
+    from core.model import make_input
+    from core.recipes import calibration_amax, calibration_input
+    from kernels.triton.resnet import TritonResNet
+
+    model = build_model("resnet50").eval().cuda()
+    x = make_input(32, 224).cuda()
+    amax = calibration_amax(model, calibration_input(32, 224).cuda())
+
+    def network(planned: bool) -> TritonResNet:
+        return TritonResNet(model, torch.bfloat16, x.device, "tf32", True, amax, planned=planned, pdl=planned,
+                            pairs="on", chains="on")
+
+    with torch.no_grad():
+        net = network(planned=True)
+        assert [p.output_dtype for convs, _ in net.blocks for p in convs[-1:]].count(torch.float8_e4m3fn) == 15
+        assert sum(net.chained(packed[0][-1], following[0][0]) for packed, following in zip(net.blocks,
+                                                                                          net.blocks[1:])) > 0
+        calls = [net(x) for _ in range(4)]  # the first records the plan, the others replay it
+        own = [network(planned=False)(x) for _ in range(2)]
+    assert all(torch.equal(calls[0], out) for out in calls[1:] + own)
+
+
 def test_micro_checks_each_fp8_layer_as_the_fp8_cell_runs_it_and_a_wrong_scale_fails():
     """`micro --tier triton --dtype fp8`'s layers: e4m3 kernels (the stem in the activations' type, as in the fp8
     cell) each within a few percent of the layer in fp32, far inside fp8's network tolerance; a weight scale 3x off
