@@ -426,3 +426,16 @@ def test_a_run_level_shift_needs_its_cells_to_move_together_beyond_the_class_flo
     assert "by rung eager 1.20, ort 1.58" in compare.shift_line(drawn)
     both = [{**r, "rung": rung} for r, rung in zip(rows([1.29, 1.31, 1.3, 1.32]), rungs)]
     assert compare.run_shifts(both, 0.03)[0]["verdict"] == "regression"
+
+
+@pytest.mark.quick
+def test_the_stage_column_reads_records_from_before_and_after_the_code_share():
+    """A stage check recorded before the e4m3 code share (its norm only) and one after it (figure and measure):
+    both committed runs still render."""
+    from harness.results import columns
+    from harness.results.load import load_records
+
+    before, _ = load_records([REPO / "results/nvidia-h200/checks/fp8-stage-ladder/results.jsonl"])
+    after, _ = load_records([REPO / "results/nvidia-h200/fp8/e4m3-boundaries/results.jsonl"])
+    shown = {row["stage err"] for row in columns.rows(before) + columns.rows(after)}
+    assert "4.6e-03 layer3.0" in shown and "6.6e-02 layer3.0 (codes)" in shown, shown

@@ -96,12 +96,18 @@ def _mib(path: str) -> Callable[[dict, View], str]:
     return show
 
 
-def _stage(r: dict, _: View) -> str:
-    par = r.get("parity") or {}
-    stages = par.get("stages")
+def _stage_err(r: dict, _: View) -> float | None:
+    """The worst stage's figure; a record from before the code share (2026-12-02) has its norm only."""
+    stages = (r.get("parity") or {}).get("stages") or {}
+    return stages.get("value", stages.get("norm_rel_err"))
+
+
+def _stage(r: dict, v: View) -> str:
+    stages = (r.get("parity") or {}).get("stages")
     if not stages:
         return ""
-    return f"{fmt(stages['value'], '.1e')} {stages['worst']}" + (" (codes)" if stages["measure"] == "codes" else "")
+    codes = " (codes)" if stages.get("measure") == "codes" else ""
+    return f"{fmt(_stage_err(r, v), '.1e')} {stages['worst']}{codes}"
 
 
 TIMING_GPU = "median/p99 = warm per-forward GPU time (CUDA events on the rung's stream, one sync per forward)"
@@ -193,7 +199,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("recipe err", "parity_recipe_rel_err", at("parity.recipe.norm_rel_err"),
            _number("parity.recipe.norm_rel_err", ".1e"),
            "recipe err = ||out-recipe||/||recipe|| against the rung's own recipe at its dtype"),
-    Column("stage err", "parity_stage_err", at("parity.stages.value"), _stage,
+    Column("stage err", "parity_stage_err", _stage_err, _stage,
            "stage err = the same per stage, each stage of the rung fed the recipe's input for it (first images), "
            "its worst stage; (codes): a stage stored in e4m3, judged by the share of its e4m3 codes that differ "
            "from the recipe's (docs/notes/parity.md)"),
