@@ -217,8 +217,7 @@ class Folded:
         reader = self.readers.get(name)
         if reader is None:
             return self.round(out)
-        inv = self.fp32(self.input_inv(f"{reader}.conv1"), out.device)
-        return (out * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return e4m3(out * self.fp32(self.input_inv(f"{reader}.conv1"), out.device)).to(torch.float8_e4m3fn)
 
     def input_inv(self, path: str) -> float:
         """1 / a convolution's input scale: E4M3_MAX over its calibrated amax (as the kernels take it)."""

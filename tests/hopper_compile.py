@@ -42,6 +42,12 @@ def compile_once(kernel, types: dict[str, str], constants: dict[str, object]) ->
                            constants)
 
 
+def first_configs(kernel, n: int):
+    """`kernel` (a triton.autotune) with its first `n` configurations only: the largest tiles, which need the most
+    registers."""
+    return SimpleNamespace(fn=kernel.fn, configs=kernel.configs[:n])
+
+
 def main() -> int:
     from kernels.triton.batch_norm import (BLOCK_C, BLOCK_S, _channel_affine_kernel, _grad_finalize_kernel,
                                            _grad_sums_kernel, _merge_slices_kernel, _moments_finalize_kernel,
@@ -82,12 +88,12 @@ def main() -> int:
     fixed = {"KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "RELU": False, "PRECISION": "ieee", "FP8": False,
              "W_KMAJOR": False, "SC_STRIDE": 0, "K_ALIGN": 128}
     lines += compile_configs(conv2d_nhwc_kernel, conv, {**fixed, "HAS_RES": True, "STATS": "grad_sums"})
-    lines += compile_configs(SimpleNamespace(fn=conv2d_nhwc_kernel.fn, configs=conv2d_nhwc_kernel.configs[:3]), conv,
+    lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), conv,
                              {**fixed, "HAS_RES": False, "STATS": "moments"})
     # fp8 inference (tiers/triton.py FP8_RECIPE): e4m3 in, e4m3 residual and output; the pair chained into the next
     # block's conv1, its operand converted from the e4m3 tile it stores
     e4m3 = {**conv, **{name: "*fp8e4nv" for name in ("x_ptr", "w_ptr", "res_ptr", "y_ptr")}, "res_scale": "fp32"}
-    lines += compile_configs(SimpleNamespace(fn=conv2d_nhwc_kernel.fn, configs=conv2d_nhwc_kernel.configs[:3]), e4m3,
+    lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), e4m3,
                              {**fixed, "KH": 1, "KW": 1, "PAD": 0, "RELU": True, "FP8": True, "W_KMAJOR": True,
                               "HAS_RES": True, "STATS": "none"})
     from kernels.triton.pair import conv_pair_kernel
@@ -95,7 +101,7 @@ def main() -> int:
             **{name: "*fp32" for name in ("bias_ptr", "bias2_ptr", "scale_ptr", "scale2_ptr", "bias3_ptr",
                                           "scale3_ptr")},
             **{name: "fp32" for name in ("a_inv", "mid_inv", "out2_inv", "res_scale", "a3_inv", "out3_inv")}}
-    lines += compile_configs(SimpleNamespace(fn=conv_pair_kernel.fn, configs=conv_pair_kernel.configs[:2]), pair,
+    lines += compile_configs(first_configs(conv_pair_kernel, 2), pair,
                              {"COUT": 64, "KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "PRECISION": "ieee", "FP8": True,
                               "W_KMAJOR": True, "K_ALIGN": 64, "SC_STRIDE": 0, "C3": 64})
     print("\n".join(lines))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -33,9 +33,7 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, stride: int, pad: int,
     (the batch norm's moments kernel reads the output), whichever the tuning chose for the shape."""
     packed = pack_weights(weight, stride, pad, dtype=x.dtype)
     key = _stats_key("moments", x.shape, weight.shape, x.dtype, weight.dtype, stride, pad)
-    run = functools.partial(conv_mean, x, packed, tune)
-    in_epilogue = tuning.choose(key, {"epilogue": lambda: run(True), "apart": lambda: run(False)}, tune) == "epilogue"
-    return conv_moments(x, packed, tune, in_epilogue)
+    return conv_moments(x, packed, tune, _in_epilogue(key, functools.partial(conv_mean, x, packed, tune), tune))
 
 
 def conv_moments(x: torch.Tensor, packed, tune: bool, in_epilogue: bool) -> tuple[torch.Tensor, TileStats | None]:
@@ -171,7 +169,13 @@ def _sums_in_epilogue(dc, weight, pad, hw, summed: BatchNormSaved, consumer: Sav
     the tuning chose for the shape (data_grad_bn_backward, timed both ways)."""
     gamma = consumer.bn.weight.detach().float()
     key = _stats_key("grad_sums", dc.shape, weight.shape, dc.dtype, weight.dtype, 1, pad)
-    run = functools.partial(data_grad_bn_backward, dc, weight, pad, hw, summed, gamma, add, tune)
+    return _in_epilogue(key, functools.partial(data_grad_bn_backward, dc, weight, pad, hw, summed, gamma, add, tune),
+                        tune)
+
+
+def _in_epilogue(key: str, run: Callable[[bool], object], tune: bool) -> bool:
+    """Whether the shape of `key` runs its batch norm's reduction in the convolution's epilogue: the tuning's choice
+    between `run(True)` and `run(False)` (tuning.choose; untuned, the epilogue)."""
     return tuning.choose(key, {"epilogue": lambda: run(True), "apart": lambda: run(False)}, tune) == "epilogue"
 
 
