@@ -446,3 +446,22 @@ def test_every_shipped_tuning_key_has_the_shape_its_kernel_builds():
             if len(values.split(",")) != len(kernel.keys) or len(dtypes.split(",")) != len(pointers):
                 wrong.append(f"{table.parent.name}: {key}")
     assert kernels_by_name and not wrong, wrong[:5]
+
+
+@pytest.mark.quick
+def test_each_element_size_gets_k_tiles_of_the_same_row_bytes_and_fp8_also_doubled_ones():
+    """The convolution's configs are pruned per problem: fp32 halves the K tile (the same shared memory as bf16's),
+    e4m3 keeps it and adds the doubled one (128-byte rows, half the promotions of its sums to fp32), all within
+    the window row (a 64-channel 1x1 takes no tile beyond 64)."""
+    from kernels.triton.conv import CONFIGS, _prune
+
+    def k_tiles(dtype, cin):
+        args = {"x_ptr": torch.empty(1, dtype=dtype), "KW": 1, "KH": 1, "CIN": cin, "M": 100352, "COUT": 256,
+                "SC_CIN": 0}
+        return sorted({c.kwargs["BLOCK_K"] for c in _prune(CONFIGS, args) if c.kwargs["SPLIT_K"] == 1})
+
+    bf16 = k_tiles(torch.bfloat16, 256)
+    assert bf16 == [64, 128]
+    assert k_tiles(torch.float32, 256) == [k // 2 for k in bf16]
+    assert k_tiles(torch.float8_e4m3fn, 256) == sorted(set(bf16) | {2 * k for k in bf16})
+    assert k_tiles(torch.float8_e4m3fn, 64) == [64]

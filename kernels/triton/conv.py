@@ -92,15 +92,21 @@ def _split_fits(split: int, tiles: int, steps: int, bm: int, bn: int) -> bool:
     return split == 1 or (bm * bn <= SPLIT_TILE and split * tiles <= SPLIT_PROGRAMS and steps >= 2 * split)
 
 
+def _k_tiles(bk: int, elem: int) -> tuple[int, ...]:
+    """The K tiles a config offers for an element size: the same bytes a row for 4-byte types, both for 1-byte."""
+    return (bk // 2,) if elem == 4 else (bk, 2 * bk) if elem == 1 else (bk,)
+
+
 def _prune(configs, args, **_):
-    """Fit the config list to one convolution: halve K tiles for 4-byte types (same shared memory), shrink them to
-    the window row (the stem's row is 21 elements), drop tiles larger than the problem or the shared memory, and
-    drop split-K where its programs would not fit two waves or its slices would be too short (_split_fits)."""
+    """Fit the config list to one convolution: halve K tiles for 4-byte types (same shared memory), offer 1-byte
+    types doubled ones too (e4m3's 128-byte row: half the fp32 promotions of an fp8 dot), shrink them to the window
+    row (the stem's row is 21 elements), drop tiles larger than the problem or the shared memory, and drop split-K
+    where its programs would not fit two waves or its slices would be too short (_split_fits)."""
     elem, row, m, cout = args["x_ptr"].element_size(), args["KW"] * args["CIN"], args["M"], args["COUT"]
     kept = {}
-    for c in configs:
-        bm, bn, bk, split = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
-        bk = min(bk // 2 if elem == 4 else bk, max(16, triton.next_power_of_2(row)))
+    for c, bk in ((c, bk) for c in configs for bk in _k_tiles(c.kwargs["BLOCK_K"], elem)):
+        bm, bn, split = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "SPLIT_K"))
+        bk = min(bk, max(16, triton.next_power_of_2(row)))
         too_big = bm > max(32, triton.next_power_of_2(m)) or bn > max(32, triton.next_power_of_2(cout))
         tiles = triton.cdiv(m, bm) * triton.cdiv(cout, bn)
         if (too_big or c.num_stages * (bm + bn) * bk * elem > SMEM_BYTES

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _prefetch_weights,
+from kernels.triton.conv import (SMEM_BYTES, PackedConv, _channel_operands, _epilogue, _k_tiles, _prefetch_weights,
                                  _window_gemm, check_residual_scale, dot_fp32, tf32_round, to_e4m3)
 from kernels.triton.pdl import wait_for_prior_kernel
 from kernels.triton.tuning import INTERPRET, autotune, launch
@@ -49,13 +49,12 @@ def _prune(configs, args, **_):
     """Configurations whose fp32 tiles (conv2's BLOCK_M x C; conv3's BLOCK_M x BLOCK_N2 beside the next conv1's
     BLOCK_M x C3) hold at most 64 values a thread, and whose shared memory fits: conv2's pipeline, two of conv3's
     weight slices and, chained, two of the next conv1's and the slice it reads (ptxas agrees within 25% on the
-    H100's tiles); K tiles halved for 4-byte types, as conv.py's."""
+    H100's tiles); K tiles per element size as conv.py's (_k_tiles)."""
     elem, c, m, cout2, c3 = (args["x_ptr"].element_size(), args["COUT"], args["M"], args["COUT2"],
                              args.get("C3", 0))
     kept = []
-    for cfg in configs:
-        bm, bk, bn2 = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_K", "BLOCK_N2"))
-        bk = bk // 2 if elem == 4 else bk
+    for cfg, bk in ((cfg, bk) for cfg in configs for bk in _k_tiles(cfg.kwargs["BLOCK_K"], elem)):
+        bm, bn2 = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N2"))
         threads = 32 * cfg.num_warps
         if (bm * c <= 64 * threads and bm * (bn2 + c3) <= 64 * threads and bn2 <= cout2
                 and bm <= max(32, triton.next_power_of_2(m))
