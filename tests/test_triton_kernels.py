@@ -168,7 +168,9 @@ def test_the_fp8_network_with_e4m3_block_outputs_and_chains_repeats_its_bits():
     amax = calibration_amax(model, calibration_input(32, 224).cuda())
 
     def network(planned: bool) -> TritonResNet:
-        return TritonResNet(model, torch.bfloat16, x.device, "tf32", True, amax, planned=planned, pdl=planned,
+        # untuned: forced pairs and chains have shapes no table holds, and autotuning them took minutes; the
+        # ladder's `repeatable` check covers the tuned configurations
+        return TritonResNet(model, torch.bfloat16, x.device, "tf32", False, amax, planned=planned, pdl=planned,
                             pairs="on", chains="on")
 
     with torch.no_grad():
