@@ -49,6 +49,13 @@ const char* epilogue_name(Epilogue e);
 enum class Pass { Fprop, Dgrad, Wgrad };
 const char* pass_name(Pass p);
 
+// The pass's x taken through a BatchNorm's apply and ReLU on the fly, relu(x * scale + shift) per input channel
+// (MLPerf's norm-conv: the normalised activation is never written; the weight gradient recomputes it), inside the
+// cuDNN graph whether the epilogue is fused or not; Fprop and Wgrad only. Scale and shift in fp32, or in the storage
+// type (as cuDNN's samples give them).
+enum class Prologue { None, ScaleShiftReluF32, ScaleShiftRelu };
+const char* prologue_name(Prologue p);
+
 struct ConvShape {
   int n, c, h, w;           // input (c includes any zero padding of the stem's channels)
   int k, r, s, stride, pad;
@@ -69,6 +76,7 @@ struct ConvIO {
   // Epilogue::Stats: fused, cuDNN's per-channel sum then sum of squares of y ([2][k] fp32); unfused,
   // bn_statistics()'s partial sums (training_kernels.h)
   float* stats = nullptr;
+  const void* scale_shift = nullptr;  // a Prologue's [2][c]: scale, then shift, in the prologue's type
 };
 
 // The tuned, pointer-free part: shared by every layer of the same shape and epilogue.
@@ -97,6 +105,7 @@ struct ConvSpec {
   const Precision* precision;
   bool nhwc;
   Pass pass = Pass::Fprop;
+  Prologue prologue = Prologue::None;
   std::string key() const;  // what an engine choice depends on besides the GPU, dtype and layout
 };
 

@@ -11,7 +11,7 @@ namespace rung {
 namespace {
 
 // Unique ids of the graph's tensors; the variant pack maps the real ones to device pointers.
-enum Uid : int64_t { kX = 1, kW, kBias, kZ, kY, kSum, kSqSum, kVirtual = 100 };
+enum Uid : int64_t { kX = 1, kW, kBias, kZ, kY, kSum, kSqSum, kScale, kShift, kVirtual = 100, kPrologue = 200 };
 
 // dims are [N, C, H, W] (filters [K, C, R, S]); NHWC keeps C innermost.
 std::vector<int64_t> strides_for(const std::vector<int64_t>& d, bool nhwc) {
@@ -118,7 +118,7 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
   const ConvShape& s = spec.shape;
   const cudnnDataType_t data = spec.precision->cudnn;
   std::vector<Desc> keep;
-  keep.reserve(32);
+  keep.reserve(48);
   keep.push_back(tensor(kX, {s.n, s.c, s.h, s.w}, spec.nhwc, data, false));
   keep.push_back(tensor(kW, {s.k, s.c, s.r, s.s}, spec.nhwc, data, false));
   keep.push_back(tensor(kY, {s.n, s.k, s.p(), s.q()}, spec.nhwc, data, false));
@@ -164,9 +164,23 @@ std::vector<Desc> build_graph(cudnnHandle_t handle, const ConvSpec& spec, bool f
   };
 
   std::vector<Desc> ops;
-  ops.reserve(8);
+  ops.reserve(12);
+  const Desc* conv_x = &x;  // what the convolution reads as x: x itself, or the prologue's relu(x * scale + shift)
+  if (spec.prologue != Prologue::None) {
+    if (on_x) throw std::runtime_error("a prologue normalises x, which the data gradient writes");
+    const std::vector<int64_t> x_dims{s.n, s.c, s.h, s.w}, channel{1, s.c, 1, 1};
+    const cudnnDataType_t operands = spec.prologue == Prologue::ScaleShiftReluF32 ? CUDNN_DATA_FLOAT : data;
+    const size_t at = keep.size();
+    keep.push_back(tensor(kScale, channel, spec.nhwc, operands, false));
+    keep.push_back(tensor(kShift, channel, spec.nhwc, operands, false));
+    for (int64_t i = 0; i < 3; ++i) keep.push_back(tensor(kPrologue + i, x_dims, spec.nhwc, CUDNN_DATA_FLOAT, true));
+    ops.push_back(pointwise(CUDNN_POINTWISE_MUL, x, &keep[at], keep[at + 2], keep));
+    ops.push_back(pointwise(CUDNN_POINTWISE_ADD, keep[at + 2], &keep[at + 1], keep[at + 3], keep));
+    ops.push_back(pointwise(CUDNN_POINTWISE_RELU_FWD, keep[at + 3], nullptr, keep[at + 4], keep));
+    conv_x = &keep[at + 4];
+  }
   const Desc& conv_out = steps.empty() ? out : find(kVirtual);
-  ops.push_back(conv_operation(spec.pass, conv, on_x ? conv_out : x, w, on_x ? y : conv_out));
+  ops.push_back(conv_operation(spec.pass, conv, on_x ? conv_out : *conv_x, w, on_x ? y : conv_out));
   for (size_t i = 0; i < steps.size(); ++i) {
     const Desc& in = find(kVirtual + int64_t(i));
     const Desc& to = i + 1 == steps.size() ? out : find(kVirtual + int64_t(i) + 1);
@@ -231,6 +245,12 @@ Desc variant_pack(const ConvSpec& spec, bool fused, const ConvIO& io, void* work
     uids.insert(uids.end(), {kSum, kSqSum});
     ptrs.insert(ptrs.end(), {io.stats, io.stats + spec.shape.k});
   }
+  if (spec.prologue != Prologue::None) {
+    const size_t operand = spec.prologue == Prologue::ScaleShiftReluF32 ? sizeof(float) : spec.precision->bytes;
+    char* scale = static_cast<char*>(const_cast<void*>(io.scale_shift));
+    uids.insert(uids.end(), {kScale, kShift});
+    ptrs.insert(ptrs.end(), {scale, scale + operand * spec.shape.c});
+  }
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, int64_t(ptrs.size()), ptrs.data())
       .set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, uids)
@@ -278,6 +298,15 @@ const char* epilogue_name(Epilogue e) {
   return "?";
 }
 
+const char* prologue_name(Prologue p) {
+  switch (p) {
+    case Prologue::None: return "none";
+    case Prologue::ScaleShiftReluF32: return "scale+shift+relu(fp32)";
+    case Prologue::ScaleShiftRelu: return "scale+shift+relu";
+  }
+  return "?";
+}
+
 const char* pass_name(Pass p) {
   switch (p) {
     case Pass::Fprop: return "fprop";
@@ -289,7 +318,8 @@ const char* pass_name(Pass p) {
 
 std::string ConvSpec::key() const {
   // Inference keys predate the passes: a forward's key names no pass, so shipped engine tables stay valid.
-  return shape.str() + " " + epilogue_name(epilogue) + (pass == Pass::Fprop ? "" : std::string(" ") + pass_name(pass));
+  return shape.str() + " " + epilogue_name(epilogue) + (pass == Pass::Fprop ? "" : std::string(" ") + pass_name(pass)) +
+         (prologue == Prologue::None ? "" : std::string(" prologue ") + prologue_name(prologue));
 }
 
 std::string ConvShape::str() const {

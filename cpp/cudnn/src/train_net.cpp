@@ -1,6 +1,7 @@
 #include "train_net.h"
 
 #include <algorithm>
+#include <map>
 
 #include "checks.h"
 #include "gpu_timing.h"
@@ -641,16 +642,61 @@ std::string ResNet50Train::step_name(const Step& s) const {
   return "?";
 }
 
+ladder::Json ResNet50Train::norm_prologue_row(const ConvUnit& u, const BnUnit& b, Pass pass, int reps) const {
+  ladder::Json j = ladder::Json::object();
+  j["layer"] = u.name;
+  j["pass"] = pass == Pass::Fprop ? "forward, norm prologue" : "wgrad, norm prologue";
+  j["alternative"] = true;  // not part of the step: pass_totals leaves it out of "all"
+  j["dtype"] = o_.precision.name;
+  const float* state = static_cast<const float*>(bn_state_.get()) + b.state;
+  ConvIO io = conv_io(u)[int(pass)];
+  io.x = tensors_[b.x].ptr;  // the BatchNorm's input: the normalised activation is made on the fly
+  TuningWorkspace ws(o_.workspace_limit);
+  std::string reasons;
+  for (Prologue prologue : {Prologue::ScaleShiftReluF32, Prologue::ScaleShiftRelu}) {
+    DeviceBuffer operands;  // scale and shift in the storage type, for the second form
+    io.scale_shift = state + 4 * b.channels;
+    if (prologue == Prologue::ScaleShiftRelu) {
+      std::vector<float> host(2 * size_t(b.channels));
+      LADDER_CUDA(cudaMemcpy(host.data(), io.scale_shift, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      const std::vector<uint8_t> encoded = encode(host, o_.precision.storage);
+      operands = DeviceBuffer(encoded.size());
+      upload(operands.get(), encoded.data(), encoded.size(), stream_);
+      io.scale_shift = operands.get();
+    }
+    ConvSpec spec = conv_spec(u, pass);
+    spec.prologue = prologue;
+    try {
+      std::shared_ptr<ConvPlan> plan = tune_conv(handle_, spec, io, ws, o_.search, stream_);
+      ConvLayer layer(u.name, spec, io, plan);
+      layer.bind(ws.ensure(size_t(plan->workspace)));
+      j["prologue"] = prologue_name(prologue);
+      j["median_ms"] = median_ms(stream_, [&] { layer.run(handle_, stream_); }, reps, 3);
+      j["shape"] = u.shape.str();
+      for (auto& kv : plan->stats().obj) j[kv.first] = kv.second;
+      if (!reasons.empty()) j["reason"] = reasons;
+      return j;
+    } catch (const std::exception& e) {  // no engine runs this form: say why, and try the next
+      reasons += std::string(reasons.empty() ? "" : "; ") + prologue_name(prologue) + ": " + e.what();
+    }
+  }
+  j["median_ms"] = ladder::Json();
+  j["reason"] = reasons;
+  return j;
+}
+
 ladder::Json ResNet50Train::micro(int reps) const {
   static const char* const passes[] = {"forward", "dgrad", "wgrad", "forward", "backward", "forward", "backward",
                                        "forward", "dgrad", "wgrad", "bias-grad", "forward+backward", "update"};
   ladder::Json list = ladder::Json::array();
   issue();  // every buffer holds a real step's values
+  std::map<std::pair<int, int>, double> step_ms;  // (kind, unit) -> ms, for the probe's rows
   for (const Step& s : steps_) {
     ladder::Json j = ladder::Json::object();
     j["layer"] = step_name(s);
     j["pass"] = passes[int(s.kind)];
     const double ms = median_ms(stream_, [&] { run(s); }, reps, 3);
+    step_ms[{int(s.kind), s.unit}] = ms;
     j["median_ms"] = ms;
     double flops = 0;
     const ConvLayer* layer = conv_pass(s.kind) >= 0 ? convs_[s.unit].layers[conv_pass(s.kind)].get() : nullptr;
@@ -668,6 +714,31 @@ ladder::Json ResNet50Train::micro(int reps) const {
     j["tflops"] = flops > 0 ? ladder::Json(flops / (ms * 1e-3) / 1e12) : ladder::Json();
     j["dtype"] = o_.precision.name;
     list.push_back(j);
+  }
+  // MLPerf's norm-conv, probed where it applies: a convolution whose input is a BatchNorm's ReLU with no residual
+  // (each block's conv2 and conv3). Forward: it would replace the BatchNorm's apply and the convolution as they run
+  // today; weight gradient: it recomputes the activation that the forward no longer writes.
+  // Each distinct shape is tuned once (a runtime-compiled engine takes seconds); its row repeats for every layer.
+  std::map<std::string, ladder::Json> probed;
+  auto probe = [&](const ConvUnit& u, const BnUnit& b, Pass pass, double replaces_ms) {
+    const std::string key = u.shape.str() + " " + pass_name(pass);
+    auto known = probed.find(key);
+    ladder::Json row = known != probed.end() ? known->second : norm_prologue_row(u, b, pass, reps);
+    probed.emplace(key, row);
+    row["layer"] = u.name;
+    row["replaces_ms"] = replaces_ms;
+    list.push_back(row);
+  };
+  if (o_.precision.storage != Storage::F32) {
+    for (size_t c = 0; c < convs_.size(); ++c) {
+      for (size_t i = 0; i < bns_.size(); ++i) {
+        const BnUnit& b = bns_[i];
+        if (b.y != convs_[c].x || !b.relu || b.z >= 0) continue;
+        const double today = step_ms[{int(Kind::BnForward), int(i)}] + step_ms[{int(Kind::ConvFprop), int(c)}];
+        probe(convs_[c], b, Pass::Fprop, today);
+        probe(convs_[c], b, Pass::Wgrad, step_ms[{int(Kind::ConvWgrad), int(c)}]);
+      }
+    }
   }
   return list;
 }

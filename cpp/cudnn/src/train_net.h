@@ -76,6 +76,9 @@ class ResNet50Train : public Network {
   std::array<ConvIO, 3> conv_io(const ConvUnit& u) const;  // by Pass
   ConvSpec conv_spec(const ConvUnit& u, Pass pass) const;
   static int conv_pass(Kind k);
+  // The micro's probe of MLPerf's norm-conv (issue 59): pass `pass` of u run with the BatchNorm b's apply and ReLU in
+  // its prologue, reading b's input, tuned; one row (micro() adds the steps it would replace).
+  ladder::Json norm_prologue_row(const ConvUnit& u, const BnUnit& b, Pass pass, int reps) const;
   void tune_convolutions(ladder::Json& stats);
   void build_kernels(ladder::Json& stats);
 
