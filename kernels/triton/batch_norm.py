@@ -214,8 +214,7 @@ def _grad_finalize_kernel(sum_dy_ptr, sum_dy_xhat_ptr, gamma_ptr, mean_ptr, invs
 
 
 # The affine pass streams two to four tensors and writes one or two: a tile of BLOCK_P rows of 64 channels, its
-# row count and warps tuned per shape as the reductions' are (untuned, 32 rows and 4 warps: 9.3 ms a training step
-# at bf16 b256 on the H200, about 70% of the copy rate; results/nvidia-h200/train/triton/reduction-choice/).
+# row count and warps tuned per shape as the reductions' are (what that bought: docs/notes/triton-training.md).
 @tuning.autotune(REDUCTION_CONFIGS, key=["P", "C", "HAS_V", "HAS_R", "GATE", "KEEP_GATED", "RELU"])
 @triton.jit
 def _channel_affine_kernel(u_ptr, v_ptr, r_ptr, gate_ptr, out_ptr, gated_ptr, k1_ptr, k2_ptr, k3_ptr, P, C,
