@@ -51,10 +51,13 @@ def pass_totals(rows: list[dict]) -> list[dict[str, str]]:
     timed = [c for c in columns(rows) if c.endswith("_ms") and c not in ("tuned_ms", "fused_ms", "unfused_ms")]
     passes = list(dict.fromkeys(r["pass"] for r in rows))
     sums: dict[str, dict[str, float]] = {p: {} for p in passes}  # pass -> column -> ms, for the columns it has
+    untimed = {(r["pass"], c) for r in rows for c in timed if c in r and r[c] is None}  # a layer that could not run
     for r in rows:
         for c in timed:
             if r.get(c) is not None:
                 sums[r["pass"]][c] = sums[r["pass"]].get(c, 0.0) + r.get("count", 1) * r[c]
+    for p, c in untimed:  # no total where a layer of the pass has no time: a partial sum would read as a whole
+        sums[p].pop(c, None)
     summed = [p for p in passes if not any(r.get("alternative") for r in rows if r["pass"] == p)]
     every = [c for c in timed if all(c in sums[p] for p in summed)]
     table = [{"pass": p, **{c: f"{sums[p][c]:.2f}" if c in sums[p] else "" for c in timed}} for p in passes]
@@ -77,7 +80,8 @@ def pass_totals_table(rows: list[dict]) -> Table | None:
 def markdown(title: str, rows: list[dict]) -> str:
     shown = shown_columns(rows)
     totals = pass_totals(rows)
-    return "\n".join([f"# {title}", "", *markdown_table([{c: r.get(c, "") for c in shown} for r in rows]), "",
+    return "\n".join([f"# {title}", "", *markdown_table([{c: "" if r.get(c) is None else r[c] for c in shown}
+                                                         for r in rows]), "",
                       *([f"Per pass, summed over the network (ms): {PASS_TOTALS}.", "", *markdown_table(totals), ""]
                         if totals else []),
                       f"Every column ({', '.join(columns(rows))}): the JSON (--json).", ""])
