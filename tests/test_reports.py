@@ -365,7 +365,8 @@ def test_a_training_micro_sums_each_pass_over_the_network():
     assert pass_totals([{"layer": "a", "triton_ms": 1.0}]) == []
     # a layer that could not run (cudnn's norm-conv probe where no engine runs it): no total for its pass, and an
     # empty cell, not "None", in the markdown
-    probe = [{"layer": layer, "pass": "forward, norm prologue", "median_ms": ms, "replaces_ms": 0.6, "alternative": True}
+    probe = [{"layer": layer, "pass": "forward, norm prologue", "median_ms": ms, "replaces_ms": 0.6,
+              "alternative": True}
              for layer, ms in (("a", 0.5), ("b", None))]
     assert pass_totals(probe)[0] == {"pass": "forward, norm prologue", "median_ms": "", "replaces_ms": "1.20"}
     assert "None" not in markdown("t", probe)
