@@ -86,10 +86,13 @@ def main() -> int:
             **{name: "*fp32" for name in ("bias_ptr", "scale_ptr", "part_ptr", "a_ptr", "b_ptr", "bn_mean_ptr",
                                           "bn_invstd_ptr")}, "count_ptr": "*i32", "a_inv": "fp32", "out_inv": "fp32"}
     fixed = {"KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "RELU": False, "PRECISION": "ieee", "FP8": False,
-             "W_KMAJOR": False, "SC_STRIDE": 0, "K_ALIGN": 128}
+             "W_KMAJOR": False, "SC_STRIDE": 0, "K_ALIGN": 128, "NORM": False}
     lines += compile_configs(conv2d_nhwc_kernel, conv, {**fixed, "HAS_RES": True, "STATS": "grad_sums"})
     lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), conv,
                              {**fixed, "HAS_RES": False, "STATS": "moments"})
+    # the norm prologue (the batch norm before it applied and ReLU'd on the load, as the training micro times it)
+    lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), conv,
+                             {**fixed, "HAS_RES": False, "STATS": "moments", "NORM": True})
     # fp8 inference (tiers/triton.py FP8_RECIPE): e4m3 in, e4m3 residual and output; the pair chained into the next
     # block's conv1, its operand converted from the e4m3 tile it stores
     e4m3 = {**conv, **{name: "*fp8e4nv" for name in ("x_ptr", "w_ptr", "res_ptr", "y_ptr")}, "res_scale": "fp32"}

@@ -51,6 +51,39 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
         assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("k,stride,pad,cin,cout,size", [(3, 1, 1, 37, 19, 7), (1, 1, 0, 40, 24, 5),
+                                                         (3, 2, 1, 18, 33, 9)])
+def test_the_norm_prologue_is_the_convolution_of_the_stored_normalised_activation(k, stride, pad, cin, cout, size):
+    """conv2d's `norm` (the batch norm before it applied and ReLU'd on the load, MLPerf's norm-conv): the output and
+    the epilogue's moments of conv(relu(x * scale + shift)) with x the batch norm's input, against the same
+    convolution of the normalised tensor stored first; the padding stays zero (a shift above zero must not leak
+    into it); a shift or scale swapped between channels changes the output."""
+    from kernels.triton.conv import conv2d, conv2d_stats, pack_weights
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, size, size, cin, generator=g)  # NHWC, the batch norm's input
+    scale, shift = torch.rand(cin, generator=g) + 0.5, torch.randn(cin, generator=g).abs() + 0.1
+    norm = torch.stack([scale, shift])
+    weight = torch.randn(cout, cin, k, k, generator=g) / (cin * k * k) ** 0.5
+    packed = pack_weights(weight, stride, pad, dtype=torch.float32)
+    stored = torch.relu(x * scale + shift)
+    want = conv2d(stored, packed, relu=False, tune=False)
+    got = conv2d(x, packed, relu=False, tune=False, norm=norm)
+    reference = F.conv2d(stored.permute(0, 3, 1, 2).double(), weight.double(), stride=stride, padding=pad)
+    assert ((got.permute(0, 3, 1, 2).double() - reference).norm() / reference.norm()).item() < 1e-5
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    (y, stats), (y_want, stats_want) = conv2d_stats(x, packed, tune=False, norm=norm), conv2d_stats(stored, packed,
+                                                                                                    tune=False)
+    assert torch.allclose(y, y_want, rtol=1e-5, atol=1e-5) and stats.rows == stats_want.rows
+    written = -(-y.shape[0] * y.shape[1] * y.shape[2] // stats.rows)  # the slices a row of tiles wrote
+    assert all(torch.allclose(a[:written], b[:written], rtol=1e-4, atol=1e-4)
+               for a, b in zip(stats[:2], stats_want[:2]))
+    wrong = torch.stack([scale, shift.roll(1)])
+    assert not torch.allclose(conv2d(x, packed, relu=False, tune=False, norm=wrong), want, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="scale and shift as fp32"):
+        conv2d(x, packed, relu=False, tune=False, norm=norm[:, :-1])
+
+
 def test_weight_gradient_over_many_slices_is_autograds_and_repeats(monkeypatch):
     """With a GPU's count of programs, a 1x1 over few channels and many pixels is cut into 106 slices: their sum
     (16 at a time, the last block short) against fp64 autograd, and the same bits on a second call."""
@@ -344,7 +377,7 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
-    assert proc.stdout.count("ok conv2d_nhwc_kernel") == len(CONV_CONFIGS) + 3 + 3  # + fp8 inference's
+    assert proc.stdout.count("ok conv2d_nhwc_kernel") == len(CONV_CONFIGS) + 3 + 3 + 3  # + norm prologue's, fp8's
     assert proc.stdout.count("ok conv_pair_kernel") == 2
     assert (proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel")
             == proc.stdout.count("ok _channel_affine_kernel") == len(REDUCTION_CONFIGS))
@@ -399,8 +432,9 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     stride 1, a strided 3x3 and a 1x1 downsample at odd sizes: each pass of a convolution with its batch norm
     (forward, data and weight gradients, the batch norm's forward and backward, and the statistics' two ways: from
     the epilogues or apart) agrees with PyTorch's in fp32, and a pass made wrong (the weight gradient doubled; the
-    data gradient's epilogue sums without the ReLU's gate) shows in its own rows' errors. The stem has no
-    data-gradient rows (the step computes none); strided layers no epilogue sums (the phases are not dx)."""
+    data gradient's epilogue sums without the ReLU's gate; the norm prologue without its shift) shows in its own
+    rows' errors. The stem has no data-gradient rows (the step computes none); strided layers no epilogue sums (the
+    phases are not dx); a conv2 or conv3 has MLPerf's norm-conv both ways (its input a batch norm's ReLU)."""
     from core.layers import Layer
     from kernels.triton import conv, conv_backward
     from tiers.triton import train_micro
@@ -412,8 +446,9 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     every = ("forward", "stats epi", "stats apart", "dgrad", "dgrad+bn epi", "dgrad+bn apart", "wgrad", "bn forward",
              "bn backward")
     strided = [p for p in every if not p.startswith("dgrad+bn")]
+    norm_conv = ["norm apart", "norm prologue"]  # a conv2's input is a batch norm's ReLU: MLPerf's norm-conv
     assert [(r["layer"], r["pass"]) for r in rows] == [(layers[0].path, p) for p in every] + [
-        (layer.path, p) for layer in layers[1:] for p in strided]
+        (layers[1].path, p) for p in strided + norm_conv] + [(layers[2].path, p) for p in strided]
     assert all(r["rel_err"] < 1e-5 for r in rows), [(r["layer"], r["pass"], r["rel_err"]) for r in rows]
     stem = train_micro([Layer("conv1", (8, 3, 7, 7), 2, 3, (11, 11), "relu", 1)], 2, "fp32", "cpu", baselines=False,
                        bench=lambda fn: 0.0)
@@ -431,3 +466,13 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     monkeypatch.setattr(conv_backward, "conv2d_stats", ungated)
     rows = train_micro(layers[:1], 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
     assert [r["pass"] for r in rows if r["rel_err"] > 1e-3] == ["dgrad+bn epi"]
+    monkeypatch.undo()
+
+    stats = conv.conv2d_stats
+
+    def shift_dropped(x, p, norm=None, **k):  # the prologue's affine map without its shift
+        return stats(x, p, norm=None if norm is None else norm * torch.tensor([[1.0], [0.0]]), **k)
+
+    monkeypatch.setattr(conv, "conv2d_stats", shift_dropped)
+    rows = train_micro(layers[1:2], 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
+    assert [r["pass"] for r in rows if r["rel_err"] > 1e-3] == ["norm prologue"]

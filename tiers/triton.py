@@ -304,7 +304,10 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     kernel and the merge); at stride 1, "dgrad+bn epi" (the data gradient with the sums of the batch norm that
     produced x in its epilogue, then that batch norm's backward) against "dgrad+bn apart" (the sums kernel
     instead): the two ways the step's tuning times per shape (train_block.conv_mean, data_grad_bn_backward). "bn
-    forward" starts from the epilogue's moments."""
+    forward" starts from the epilogue's moments. Where a convolution's input is a batch norm's ReLU with no residual
+    (each block's conv2 and conv3), MLPerf's norm-conv, not yet in the step: "norm prologue" (the forward with its
+    moments, reading the batch norm's input and applying its affine map and ReLU on the load) against "norm apart"
+    (that batch norm's apply pass, then the same forward)."""
     from kernels.triton import batch_norm  # Triton: only where it runs
     from kernels.triton.conv import BatchNormSaved, conv2d, conv2d_stats, pack_weights
     from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
@@ -372,6 +375,16 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
                                 dy_t, c_t, gamma, None, None, mean, invstd, True, 1e-5, [True, True, True])[0],
                             nchw, "torch"),
         }
+        if layer.path.endswith((".conv2", ".conv3")):  # its input a batch norm's ReLU, no residual added before
+            norm = torch.stack([before_stats.scale, before_stats.shift])
+            normalised = torch.relu(before.float() * before_stats.scale + before_stats.shift).to(tdt)
+
+            def norm_reference():
+                return F.conv2d(normalised.permute(0, 3, 1, 2), w_t, None, stride, pad)
+
+            passes["norm apart"] = (lambda: conv2d_stats(batch_norm.apply(before, before_stats, relu=True), packed)[0],
+                                    norm_reference, nchw, None)
+            passes["norm prologue"] = (lambda: conv2d_stats(before, packed, norm=norm)[0], norm_reference, nchw, None)
         if group_of(layer.path) == "stem":  # no image gradient
             for name in ("dgrad", "dgrad+bn epi", "dgrad+bn apart"):
                 del passes[name]

@@ -297,9 +297,11 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
                  SC_H, SC_W, SC_CIN, a_inv, KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr,
                  PAD: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, W_KMAJOR: tl.constexpr,
                  SC_STRIDE: tl.constexpr, K_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, norm_ptr, NORM: tl.constexpr):
     """The fp32 tile conv(x) [offs_m, offs_n] over K steps [first, last): the window's (KH rows of KW*CIN elements,
-    each row in K tiles), then, with a fused downsample (SC_STRIDE > 0), the shortcut's SC_CIN channels."""
+    each row in K tiles), then, with a fused downsample (SC_STRIDE > 0), the shortcut's SC_CIN channels. NORM:
+    x is a batch norm's input, taken through its affine map and ReLU on the fly (norm_ptr: its scale, then its
+    shift, per channel, fp32 [2, CIN]), rounded to x's type as the pass that stores them rounds."""
     ROW = KW * CIN  # elements in one window row, contiguous in memory
     k_steps = tl.cdiv(ROW, BLOCK_K)
     main_steps = KH * k_steps
@@ -348,6 +350,12 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
                 inside = inside | in_shortcut
             a_mask = a_mask & inside
         a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+        if NORM:  # MLPerf's norm-conv: the normalised activation is never stored; the padding stays zero
+            c = kk % CIN if KW > 1 else kk
+            norm_scale = tl.load(norm_ptr + c, mask=k_ok, other=0.0)
+            norm_shift = tl.load(norm_ptr + CIN + c, mask=k_ok, other=0.0)
+            a = tl.where(a_mask, tl.maximum(a.to(tl.float32) * norm_scale[None, :] + norm_shift[None, :], 0.0),
+                         0.0).to(x_ptr.dtype.element_ty)
         if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
             a = to_e4m3(tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0))  # scale leaves only outliers
         if W_KMAJOR:
@@ -385,10 +393,13 @@ def conv2d_nhwc_kernel(
         FP8: tl.constexpr, W_KMAJOR: tl.constexpr, SC_STRIDE: tl.constexpr,  # SC_STRIDE 0: no shortcut
         K_ALIGN: tl.constexpr,  # a power of two (at most 128) dividing KW * CIN and SC_CIN
         STATS: tl.constexpr,  # "none", "moments" or "grad_sums" (_tile_stats)
+        NORM: tl.constexpr,  # x a batch norm's input, normalised and ReLU'd on the load (_window_gemm; scale_ptr:
+                             # its scale and shift, fp32 [2, CIN])
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
         GROUP_M: tl.constexpr = 8, GDC: tl.constexpr = False):
     tl.static_assert(SC_STRIDE == 0 or not (HAS_RES or FP8), "a shortcut replaces the residual; bf16/fp32 only")
     tl.static_assert(STATS == "none" or not FP8, "statistics of the values as stored: bf16/fp32 outputs only")
+    tl.static_assert(not NORM or not (FP8 or SC_STRIDE), "a norm prologue takes scale_ptr, and no shortcut")
     # Which output tile, and (split-K) which slice of K: programs are numbered in groups of GROUP_M tiles down M, so
     # programs running together share the same weight tiles (and neighbouring input rows) in L2.
     # (Each integer division by a runtime size is some 20 instructions: batch 1's few tiles take a shorter way.)
@@ -445,7 +456,7 @@ def conv2d_nhwc_kernel(
         res = _residual(res_ptr, y_offs, y_mask, res_scale)
     acc = _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last, H, W, CIN, OH, OW, COUT,
                        SC_H, SC_W, SC_CIN, a_inv, KH, KW, STRIDE, PAD, PRECISION, FP8, W_KMAJOR, SC_STRIDE, K_ALIGN,
-                       BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, scale_ptr, NORM)
 
     LATE_RES: tl.constexpr = HAS_RES and not EARLY
     if not EARLY:
@@ -591,12 +602,14 @@ def fuse_shortcut(last: PackedConv, down: PackedConv) -> PackedConv:
 
 def conv2d(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None, relu: bool = True,
            precision: str = "ieee", tune: bool = True, pdl: bool = False,
-           shortcut: torch.Tensor | None = None, residual_scale: float | None = None) -> torch.Tensor:
+           shortcut: torch.Tensor | None = None, residual_scale: float | None = None,
+           norm: torch.Tensor | None = None) -> torch.Tensor:
     """y = relu(conv(x) + bias + residual), NHWC in and out (`x` contiguous [N, H, W, CIN]); with a fused downsample
     (fuse_shortcut), relu(conv(x) + downsample(shortcut) + bias), `shortcut` the block's input. A residual stored in
     e4m3 comes with its scale (`residual_scale`). `pdl`: launched as a programmatic dependent launch
-    (kernels/triton/pdl.py)."""
-    return _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, residual_scale=residual_scale)[0]
+    (kernels/triton/pdl.py). `norm`: x is a batch norm's input and the convolution reads relu(x * scale + shift),
+    norm its scale and shift, fp32 [2, CIN] (the norm prologue)."""
+    return _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, residual_scale=residual_scale, norm=norm)[0]
 
 
 class TileStats(NamedTuple):
@@ -618,25 +631,29 @@ class BatchNormSaved(NamedTuple):
 
 def conv2d_stats(x: torch.Tensor, p: PackedConv, residual: torch.Tensor | None = None,
                  bn: BatchNormSaved | None = None, precision: str = "ieee",
-                 tune: bool = True) -> tuple[torch.Tensor, TileStats]:
+                 tune: bool = True, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, TileStats]:
     """conv(x) + bias [+ residual], without a ReLU, and two statistics per channel from its epilogue (_tile_stats):
     without `bn` its moments (it is a batch norm's input); with `bn`, it is the gradient of that batch norm's
-    output, and the sums its backward needs."""
+    output, and the sums its backward needs. `norm` as conv2d's."""
     n, h, w, _ = x.shape
     oh, ow = p.output_size(h, w)
     slices = triton.cdiv(n * oh * ow, MIN_BLOCK_M)  # rows for any tile the tuning picks
     a, b = (torch.empty((slices, p.cout), device=x.device, dtype=torch.float32) for _ in range(2))
-    y, chosen = _conv2d(x, p, residual, False, precision, tune, False, None, (a, b), bn)
+    y, chosen = _conv2d(x, p, residual, False, precision, tune, False, None, (a, b), bn, norm=norm)
     return y, TileStats(a, b, chosen["BLOCK_M"])
 
 
 def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn=None,
-            residual_scale=None) -> tuple[torch.Tensor, dict]:
+            residual_scale=None, norm=None) -> tuple[torch.Tensor, dict]:
     """conv2d's launch, also for conv2d_stats (`stats`: the two statistics' buffers; `bn`: a BatchNormSaved for
     "grad_sums", else "moments"): y and the meta-parameters it ran with."""
     if bool(p.shortcut_stride) != (shortcut is not None) or (shortcut is not None and residual is not None):
         raise ValueError("a convolution with its downsample fused in takes the block's input as `shortcut` (and no "
                          "residual); any other takes no shortcut")
+    if norm is not None and (p.fp8 or shortcut is not None or norm.shape != (2, x.shape[-1])
+                             or norm.dtype != torch.float32):
+        raise ValueError("a norm prologue takes its batch norm's scale and shift as fp32 [2, CIN], and no fp8 or "
+                         "fused shortcut")
     check_residual_scale(residual, residual_scale)
     n, h, w, cin = x.shape
     cout = p.cout
@@ -653,11 +670,12 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn
     sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
     kind = "none" if stats is None else "moments" if bn is None else "grad_sums"
     args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
-            p.scale if p.fp8 else p.bias, p.input_inv, p.output_inv or 1.0,  # bias: the unused scale pointer
+            p.scale if p.fp8 else norm if norm is not None else p.bias,  # bias: the unused scale pointer
+            p.input_inv, p.output_inv or 1.0,
             residual_scale or 1.0, *_split_buffers(x.device), *(stats or (p.bias, p.bias)),
             *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,
             p.stride, p.pad, residual is not None, relu, precision, p.fp8, p.kmajor, p.shortcut_stride,
-            math.gcd(p.kw * cin, sc_cin, 128), kind)
+            math.gcd(p.kw * cin, sc_cin, 128), kind, norm is not None)
     chosen = launch(conv2d_nhwc_kernel, grid, args, tune, _fixed(m, cout, p.kh, p.kw * cin, x.element_size(), sc_cin),
                     pdl)
     return y, chosen

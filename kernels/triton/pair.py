@@ -95,7 +95,8 @@ def conv_pair_kernel(
     wait_for_prior_kernel(GDC)
 
     acc = _window_gemm(x_ptr, w_ptr, x_ptr, offs_m, offs_c, m_ok, c_ok, 0, steps, H, W, CIN, OH, OW, COUT, 0, 0, 0,
-                       a_inv, KH, KW, STRIDE, PAD, PRECISION, FP8, W_KMAJOR, 0, K_ALIGN, BLOCK_M, COUT, BLOCK_K, 1)
+                       a_inv, KH, KW, STRIDE, PAD, PRECISION, FP8, W_KMAJOR, 0, K_ALIGN, BLOCK_M, COUT, BLOCK_K, 1,
+                       x_ptr, False)
     bias, scale = _channel_operands(bias_ptr, scale_ptr, offs_c, c_ok, FP8)
     if FP8:
         acc = acc * scale[None, :]

@@ -184,7 +184,7 @@ def stem_pool_kernel(
             offs_m = tl.where(cell_ok, (img * CH + i) * CW + j, 0)
             acc = _window_gemm(z_ptr, w_ptr, w_ptr, offs_m, offs_n, cell_ok, offs_n < 4 * C, 0,
                                3 * tl.cdiv(3 * CIN, BLOCK_K), ZH, ZW, CIN, CH, CW, 4 * C, 0, 0, 0, 1.0, 3, 3, 1, 0,
-                               PRECISION, False, W_KMAJOR, 0, K_ALIGN, BLOCK_M, N4, BLOCK_K, 1)
+                               PRECISION, False, W_KMAJOR, 0, K_ALIGN, BLOCK_M, N4, BLOCK_K, 1, w_ptr, False)
         # bias and ReLU, rounded as the convolution would store them (max commutes with rounding); each cell's four
         # pixels (u, v) split apart (reshapes, a permutation and splits: no data moves), those past the image zeroed
         q = tl.reshape(tf32_round(tl.maximum(acc + bias[None, :], 0.0).to(out_ty), PRECISION),
