@@ -658,6 +658,7 @@ ladder::Json ResNet50Train::norm_prologue_row(const ConvUnit& u, const BnUnit& b
     io.scale_shift = state + 4 * b.channels;
     if (prologue == Prologue::ScaleShiftRelu) {
       std::vector<float> host(2 * size_t(b.channels));
+      LADDER_CUDA(cudaStreamSynchronize(stream_));  // the copy below runs on the legacy stream
       LADDER_CUDA(cudaMemcpy(host.data(), io.scale_shift, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
       const std::vector<uint8_t> encoded = encode(host, o_.precision.storage);
       operands = DeviceBuffer(encoded.size());
