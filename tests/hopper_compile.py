@@ -56,9 +56,15 @@ def main() -> int:
 
     lines = []
     bf16 = {name: "*bf16" for name in ("x_ptr", "dy_ptr", "y_ptr")}  # bf16: the GPU's training dtype
+    wgrad = {**bf16, "dw_ptr": "*fp32", "norm_ptr": "*fp32"}
     for kw, taps_in_tile in ((3, False), (7, True)):  # a 3x3 by taps; the stem's 7x7 over its 3 channels
-        lines += compile_configs(conv2d_weight_grad_kernel, {**bf16, "dw_ptr": "*fp32"},
-                                 {"KW": kw, "TAPS_IN_TILE": taps_in_tile, "PRECISION": "ieee"})
+        lines += compile_configs(conv2d_weight_grad_kernel, wgrad,
+                                 {"KW": kw, "TAPS_IN_TILE": taps_in_tile, "PRECISION": "ieee", "NORM": False})
+    # the norm prologue's (the activation recomputed from the batch norm's input, as the training micro times it),
+    # in the three widest tiles (the list's last)
+    widest = SimpleNamespace(fn=conv2d_weight_grad_kernel.fn, configs=conv2d_weight_grad_kernel.configs[-3:])
+    lines += compile_configs(widest, wgrad,
+                             {"KW": 3, "TAPS_IN_TILE": False, "PRECISION": "ieee", "NORM": True})
     lines += compile_once(_sum_slices_kernel, {"part_ptr": "*fp32", "dw_ptr": "*fp32"},
                           {"BLOCK_S": 16, "BLOCK_N": SUM_BLOCK})
     sums = ("mean_ptr", "m2_ptr", "invstd_ptr", "sum_dy_ptr", "sum_dy_xhat_ptr")

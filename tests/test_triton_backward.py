@@ -52,12 +52,13 @@ def test_both_gradients_are_autograds_in_strict_fp32(k, stride, pad, cin, cout, 
 
 
 @pytest.mark.parametrize("k,stride,pad,cin,cout,size", [(3, 1, 1, 37, 19, 7), (1, 1, 0, 40, 24, 5),
-                                                         (3, 2, 1, 18, 33, 9)])
+                                                         (3, 2, 1, 18, 33, 9), (3, 1, 1, 5, 6, 6)])
 def test_the_norm_prologue_is_the_convolution_of_the_stored_normalised_activation(k, stride, pad, cin, cout, size):
     """conv2d's `norm` (the batch norm before it applied and ReLU'd on the load, MLPerf's norm-conv): the output and
     the epilogue's moments of conv(relu(x * scale + shift)) with x the batch norm's input, against the same
-    convolution of the normalised tensor stored first; the padding stays zero (a shift above zero must not leak
-    into it); a shift or scale swapped between channels changes the output."""
+    convolution of the normalised tensor stored first; the weight gradient recomputing it the same way (by taps,
+    and with the taps in the tile over 5 channels) against the stored tensor's; the padding stays zero (a shift
+    above zero must not leak into it); a shift swapped between channels changes the output."""
     from kernels.triton.conv import conv2d, conv2d_stats, pack_weights
 
     g = torch.Generator().manual_seed(0)
@@ -78,10 +79,17 @@ def test_the_norm_prologue_is_the_convolution_of_the_stored_normalised_activatio
     written = -(-y.shape[0] * y.shape[1] * y.shape[2] // stats.rows)  # the slices a row of tiles wrote
     assert all(torch.allclose(a[:written], b[:written], rtol=1e-4, atol=1e-4)
                for a, b in zip(stats[:2], stats_want[:2]))
+    dy = torch.randn(want.shape, generator=g)
+    dw = conv2d_weight_grad(x, dy, k, k, stride, pad, tune=False, norm=norm)
+    assert torch.allclose(dw, conv2d_weight_grad(stored, dy, k, k, stride, pad, tune=False), rtol=1e-5, atol=1e-5)
     wrong = torch.stack([scale, shift.roll(1)])
     assert not torch.allclose(conv2d(x, packed, relu=False, tune=False, norm=wrong), want, rtol=1e-3, atol=1e-3)
-    with pytest.raises(ValueError, match="scale and shift as fp32"):
-        conv2d(x, packed, relu=False, tune=False, norm=norm[:, :-1])
+    assert not torch.allclose(conv2d_weight_grad(x, dy, k, k, stride, pad, tune=False, norm=wrong), dw, rtol=1e-3,
+                              atol=1e-3)
+    for wrong_shape in (lambda: conv2d(x, packed, relu=False, tune=False, norm=norm[:, :-1]),
+                        lambda: conv2d_weight_grad(x, dy, k, k, stride, pad, norm=norm[:, :-1])):
+        with pytest.raises(ValueError, match="scale and shift as fp32"):
+            wrong_shape()
 
 
 def test_weight_gradient_over_many_slices_is_autograds_and_repeats(monkeypatch):
@@ -376,7 +384,7 @@ def test_every_training_kernels_configuration_compiles_for_hopper():
     proc = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS)
+    assert proc.stdout.count("ok conv2d_weight_grad_kernel") == 2 * len(WEIGHT_GRAD_CONFIGS) + 3  # + norm's
     assert proc.stdout.count("ok conv2d_nhwc_kernel") == len(CONV_CONFIGS) + 3 + 3 + 3  # + norm prologue's, fp8's
     assert proc.stdout.count("ok conv_pair_kernel") == 2
     assert (proc.stdout.count("ok _moments_kernel") == proc.stdout.count("ok _grad_sums_kernel")
@@ -446,7 +454,7 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     every = ("forward", "stats epi", "stats apart", "dgrad", "dgrad+bn epi", "dgrad+bn apart", "wgrad", "bn forward",
              "bn backward")
     strided = [p for p in every if not p.startswith("dgrad+bn")]
-    norm_conv = ["norm apart", "norm prologue"]  # a conv2's input is a batch norm's ReLU: MLPerf's norm-conv
+    norm_conv = ["norm apart", "norm prologue", "wgrad norm"]  # a conv2's input is a batch norm's ReLU: norm-conv
     assert [(r["layer"], r["pass"]) for r in rows] == [(layers[0].path, p) for p in every] + [
         (layers[1].path, p) for p in strided + norm_conv] + [(layers[2].path, p) for p in strided]
     assert all(r["rel_err"] < 1e-5 for r in rows), [(r["layer"], r["pass"], r["rel_err"]) for r in rows]
@@ -457,7 +465,7 @@ def test_the_training_micro_checks_each_pass_against_pytorchs_and_a_wrong_one_sh
     right = conv_backward.conv2d_weight_grad
     monkeypatch.setattr(conv_backward, "conv2d_weight_grad", lambda *a, **k: 2 * right(*a, **k))
     rows = train_micro(layers[:2], 2, "fp32", "cpu", baselines=False, bench=lambda fn: 0.0)
-    assert {r["pass"] for r in rows if r["rel_err"] > 0.5} == {"wgrad"}
+    assert {r["pass"] for r in rows if r["rel_err"] > 0.5} == {"wgrad", "wgrad norm"}
     monkeypatch.undo()
 
     def ungated(dy, w, bn, **k):  # the gate read as all ones: dy's sums without the ReLU

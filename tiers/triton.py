@@ -307,7 +307,8 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
     forward" starts from the epilogue's moments. Where a convolution's input is a batch norm's ReLU with no residual
     (each block's conv2 and conv3), MLPerf's norm-conv, not yet in the step: "norm prologue" (the forward with its
     moments, reading the batch norm's input and applying its affine map and ReLU on the load) against "norm apart"
-    (that batch norm's apply pass, then the same forward)."""
+    (that batch norm's apply pass, then the same forward), and "wgrad norm" (the weight gradient recomputing that
+    activation the same way) against "wgrad"."""
     from kernels.triton import batch_norm  # Triton: only where it runs
     from kernels.triton.conv import BatchNormSaved, conv2d, conv2d_stats, pack_weights
     from kernels.triton.conv_backward import conv2d_input_grad, conv2d_weight_grad
@@ -385,6 +386,11 @@ def train_micro(layers, batch: int, dtype: str, device: str, baselines: bool, be
             passes["norm apart"] = (lambda: conv2d_stats(batch_norm.apply(before, before_stats, relu=True), packed)[0],
                                     norm_reference, nchw, None)
             passes["norm prologue"] = (lambda: conv2d_stats(before, packed, norm=norm)[0], norm_reference, nchw, None)
+            passes["wgrad norm"] = (  # the weight gradient recomputing the activation the forward did not store
+                lambda: conv2d_weight_grad(before, dy, k, k, stride, pad, norm=norm),
+                lambda: torch.ops.aten.convolution_backward(dy_t, normalised.permute(0, 3, 1, 2), w_t, None,
+                                                            [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1,
+                                                            [False, True, False])[1], lambda o, t: (o, t), None)
         if group_of(layer.path) == "stem":  # no image gradient
             for name in ("dgrad", "dgrad+bn epi", "dgrad+bn apart"):
                 del passes[name]

@@ -63,14 +63,17 @@ def _prune_weight_grad(configs, args, **_):
 @autotune(WEIGHT_GRAD_CONFIGS, key=["P", "CIN", "COUT", "TAPS", "TILE_ROWS", "STRIDE", "PRECISION"],
           prune=_prune_weight_grad)
 @triton.jit
-def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD, ROWS, TAPS,
+def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, norm_ptr, P, H, W, CIN, OH, OW, COUT, STRIDE, PAD, ROWS, TAPS,
                               TILE_ROWS, KW: tl.constexpr, TAPS_IN_TILE: tl.constexpr, PRECISION: tl.constexpr,
-                              BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+                              NORM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_P: tl.constexpr):
     """One [BLOCK_C x BLOCK_K] tile of dW, reduced over one slice of ROWS output pixels: the slice's partial dW,
     stored [slices, KH, KW, CIN, COUT], COUT fastest. The tile's rows are input channels of one tap (program axis
     2: the slice * TAPS + the tap r * KW + s), or, with TAPS_IN_TILE, rows of the flattened (r, s, c) axis, so
     that a convolution over a few channels (the stem's 3) reads dy once per tile of its KH*KW*CIN rows instead of
-    once per tap (TAPS is then 1). TILE_ROWS: the rows of dW one program-axis-2 index owns (CIN, or KH*KW*CIN)."""
+    once per tap (TAPS is then 1). TILE_ROWS: the rows of dW one program-axis-2 index owns (CIN, or KH*KW*CIN).
+    NORM: x is a batch norm's input, taken through its affine map and ReLU on the load as the forward's norm
+    prologue takes it (norm_ptr: scale, then shift, fp32 [2, CIN]; kernels/triton/conv.py _window_gemm)."""
     tap = tl.program_id(2) % TAPS
     start = tl.program_id(2) // TAPS * ROWS
     end = tl.minimum(start + ROWS, P)
@@ -97,6 +100,12 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, P, H, W, CIN, OH, OW, COUT,
             inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             rows = ((n * H + ih) * W + iw) * CIN
             xt = tl.load(x_ptr + rows[None, :] + c[:, None], mask=inside[None, :] & c_ok[:, None], other=0.0)
+        if NORM:  # the activation the forward never stored, recomputed; the padding stays zero
+            norm_scale = tl.load(norm_ptr + c, mask=c_ok, other=0.0)
+            norm_shift = tl.load(norm_ptr + CIN + c, mask=c_ok, other=0.0)
+            loaded = inside & c_ok[:, None] if TAPS_IN_TILE else inside[None, :] & c_ok[:, None]
+            xt = tl.where(loaded, tl.maximum(xt.to(tl.float32) * norm_scale[:, None] + norm_shift[:, None], 0.0),
+                          0.0).to(x_ptr.dtype.element_ty)
         dyt = tl.load(dy_ptr + offs_p[:, None] * COUT + offs_k[None, :], mask=p_ok[:, None] & k_ok[None, :],
                       other=0.0)
         acc += tl.dot(xt, dyt, input_precision=PRECISION)
@@ -122,10 +131,12 @@ def _sum_slices_kernel(part_ptr, dw_ptr, SLICES, N, COUT, CIN, TAPS, BLOCK_S: tl
 
 
 def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stride: int, pad: int,
-                       precision: str = "ieee", tune: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                       precision: str = "ieee", tune: bool = True, out: torch.Tensor | None = None,
+                       norm: torch.Tensor | None = None) -> torch.Tensor:
     """dW of a convolution, in torch's [COUT, CIN, KH, KW] layout and fp32: `x` its NHWC input, `dy` the NHWC
     gradient of its output (both contiguous, one dtype); written into `out` (a contiguous [COUT, CIN, KH, KW],
-    such as a view of a flat gradient buffer) where given."""
+    such as a view of a flat gradient buffer) where given. `norm`: x is a batch norm's input and the convolution
+    read relu(x * scale + shift) (conv.conv2d's norm prologue), norm its scale and shift, fp32 [2, CIN]."""
     n, h, w, cin = x.shape
     _, oh, ow, cout = dy.shape
     taps_in_tile = cin < MIN_TILE  # one tap's channels would leave most of a tile's rows empty
@@ -138,8 +149,10 @@ def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stri
     def grid(meta):
         return triton.cdiv(tile_rows, meta["BLOCK_C"]), triton.cdiv(cout, meta["BLOCK_K"]), slices * tap_programs
 
-    args = (x, dy, dw, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows, tap_programs, tile_rows, kw,
-            taps_in_tile, precision)
+    if norm is not None and (norm.shape != (2, cin) or norm.dtype != torch.float32):
+        raise ValueError("a norm prologue takes its batch norm's scale and shift as fp32 [2, CIN]")
+    args = (x, dy, dw, dw if norm is None else norm, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows,
+            tap_programs, tile_rows, kw, taps_in_tile, precision, norm is not None)  # dw: the unused norm pointer
     launch(conv2d_weight_grad_kernel, grid, args, tune, dict(BLOCK_C=_tile(tile_rows), BLOCK_K=_tile(cout),
                                                               BLOCK_P=32, num_warps=4, num_stages=3))
     if out is None:
