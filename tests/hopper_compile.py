@@ -42,10 +42,10 @@ def compile_once(kernel, types: dict[str, str], constants: dict[str, object]) ->
                            constants)
 
 
-def first_configs(kernel, n: int):
-    """`kernel` (a triton.autotune) with its first `n` configurations only: the largest tiles, which need the most
-    registers."""
-    return SimpleNamespace(fn=kernel.fn, configs=kernel.configs[:n])
+def some_configs(kernel, picked: slice):
+    """`kernel` (a triton.autotune) with the `picked` slice of its configurations only (the largest tiles, which
+    need the most registers: the convolution's first, the weight gradient's last)."""
+    return SimpleNamespace(fn=kernel.fn, configs=kernel.configs[picked])
 
 
 def main() -> int:
@@ -60,10 +60,8 @@ def main() -> int:
     for kw, taps_in_tile in ((3, False), (7, True)):  # a 3x3 by taps; the stem's 7x7 over its 3 channels
         lines += compile_configs(conv2d_weight_grad_kernel, wgrad,
                                  {"KW": kw, "TAPS_IN_TILE": taps_in_tile, "PRECISION": "ieee", "NORM": False})
-    # the norm prologue's (the activation recomputed from the batch norm's input, as the training micro times it),
-    # in the three widest tiles (the list's last)
-    widest = SimpleNamespace(fn=conv2d_weight_grad_kernel.fn, configs=conv2d_weight_grad_kernel.configs[-3:])
-    lines += compile_configs(widest, wgrad,
+    # the norm prologue's (the activation recomputed from the batch norm's input, as the training micro times it)
+    lines += compile_configs(some_configs(conv2d_weight_grad_kernel, slice(-3, None)), wgrad,
                              {"KW": 3, "TAPS_IN_TILE": False, "PRECISION": "ieee", "NORM": True})
     lines += compile_once(_sum_slices_kernel, {"part_ptr": "*fp32", "dw_ptr": "*fp32"},
                           {"BLOCK_S": 16, "BLOCK_N": SUM_BLOCK})
@@ -94,15 +92,15 @@ def main() -> int:
     fixed = {"KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "RELU": False, "PRECISION": "ieee", "FP8": False,
              "W_KMAJOR": False, "SC_STRIDE": 0, "K_ALIGN": 128, "NORM": False}
     lines += compile_configs(conv2d_nhwc_kernel, conv, {**fixed, "HAS_RES": True, "STATS": "grad_sums"})
-    lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), conv,
+    lines += compile_configs(some_configs(conv2d_nhwc_kernel, slice(3)), conv,
                              {**fixed, "HAS_RES": False, "STATS": "moments"})
     # the norm prologue (the batch norm before it applied and ReLU'd on the load, as the training micro times it)
-    lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), conv,
+    lines += compile_configs(some_configs(conv2d_nhwc_kernel, slice(3)), conv,
                              {**fixed, "HAS_RES": False, "STATS": "moments", "NORM": True})
     # fp8 inference (tiers/triton.py FP8_RECIPE): e4m3 in, e4m3 residual and output; the pair chained into the next
     # block's conv1, its operand converted from the e4m3 tile it stores
     e4m3 = {**conv, **{name: "*fp8e4nv" for name in ("x_ptr", "w_ptr", "res_ptr", "y_ptr")}, "res_scale": "fp32"}
-    lines += compile_configs(first_configs(conv2d_nhwc_kernel, 3), e4m3,
+    lines += compile_configs(some_configs(conv2d_nhwc_kernel, slice(3)), e4m3,
                              {**fixed, "KH": 1, "KW": 1, "PAD": 0, "RELU": True, "FP8": True, "W_KMAJOR": True,
                               "HAS_RES": True, "STATS": "none"})
     from kernels.triton.pair import conv_pair_kernel
@@ -110,7 +108,7 @@ def main() -> int:
             **{name: "*fp32" for name in ("bias_ptr", "bias2_ptr", "scale_ptr", "scale2_ptr", "bias3_ptr",
                                           "scale3_ptr")},
             **{name: "fp32" for name in ("a_inv", "mid_inv", "out2_inv", "res_scale", "a3_inv", "out3_inv")}}
-    lines += compile_configs(first_configs(conv_pair_kernel, 2), pair,
+    lines += compile_configs(some_configs(conv_pair_kernel, slice(2)), pair,
                              {"COUT": 64, "KH": 3, "KW": 3, "STRIDE": 1, "PAD": 1, "PRECISION": "ieee", "FP8": True,
                               "W_KMAJOR": True, "K_ALIGN": 64, "SC_STRIDE": 0, "C3": 64})
     print("\n".join(lines))

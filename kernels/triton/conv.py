@@ -184,6 +184,27 @@ def dot_fp32(a, b, acc, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+@triton.jit
+def norm_relu(a, keep, norm_ptr, c, c_ok, CIN, CHANNEL_AXIS: tl.constexpr):
+    """The norm prologue (MLPerf's norm-conv): relu(a * scale + shift) of a batch norm's input tile `a`, its channels
+    `c` along CHANNEL_AXIS (norm_ptr: the scale, then the shift, fp32 [2, CIN]), where `keep`, else 0 (the stored
+    activation's padding), rounded to a's type as the pass that stores it rounds."""
+    scale = tl.load(norm_ptr + c, mask=c_ok, other=0.0)
+    shift = tl.load(norm_ptr + CIN + c, mask=c_ok, other=0.0)
+    if CHANNEL_AXIS == 1:
+        scale, shift = scale[None, :], shift[None, :]
+    else:
+        scale, shift = scale[:, None], shift[:, None]
+    return tl.where(keep, tl.maximum(a.to(tl.float32) * scale + shift, 0.0), 0.0).to(a.dtype)
+
+
+def check_norm(norm: torch.Tensor | None, cin: int) -> None:
+    """A norm prologue's operand: its batch norm's scale and shift, fp32 [2, CIN]."""
+    if norm is not None and (norm.shape != (2, cin) or norm.dtype != torch.float32):
+        raise ValueError(f"a norm prologue takes its batch norm's scale and shift as fp32 [2, {cin}], not "
+                         f"{norm.dtype} {list(norm.shape)}")
+
+
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
     """fp32 weights rounded to nearest TF32 once, when packed (tf32_round does the activations as they are stored)."""
     bits = t.to(torch.float32).contiguous().view(torch.int32)
@@ -350,12 +371,8 @@ def _window_gemm(x_ptr, w_ptr, res_ptr, offs_m, offs_n, m_ok, n_ok, first, last,
                 inside = inside | in_shortcut
             a_mask = a_mask & inside
         a = tl.load(src + rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-        if NORM:  # MLPerf's norm-conv: the normalised activation is never stored; the padding stays zero
-            c = kk % CIN if KW > 1 else kk
-            norm_scale = tl.load(norm_ptr + c, mask=k_ok, other=0.0)
-            norm_shift = tl.load(norm_ptr + CIN + c, mask=k_ok, other=0.0)
-            a = tl.where(a_mask, tl.maximum(a.to(tl.float32) * norm_scale[None, :] + norm_shift[None, :], 0.0),
-                         0.0).to(x_ptr.dtype.element_ty)
+        if NORM:  # MLPerf's norm-conv: the normalised activation is never stored
+            a = norm_relu(a, a_mask, norm_ptr, kk % CIN if KW > 1 else kk, k_ok, CIN, 1)
         if FP8 and not x_ptr.dtype.element_ty.is_fp8():  # e4m3 saturates at 448: clamp first, as a calibrated
             a = to_e4m3(tl.clamp(a.to(tl.float32) * a_inv, -448.0, 448.0))  # scale leaves only outliers
         if W_KMAJOR:
@@ -650,10 +667,9 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn
     if bool(p.shortcut_stride) != (shortcut is not None) or (shortcut is not None and residual is not None):
         raise ValueError("a convolution with its downsample fused in takes the block's input as `shortcut` (and no "
                          "residual); any other takes no shortcut")
-    if norm is not None and (p.fp8 or shortcut is not None or norm.shape != (2, x.shape[-1])
-                             or norm.dtype != torch.float32):
-        raise ValueError("a norm prologue takes its batch norm's scale and shift as fp32 [2, CIN], and no fp8 or "
-                         "fused shortcut")
+    check_norm(norm, x.shape[-1])
+    if norm is not None and (p.fp8 or shortcut is not None):
+        raise ValueError("a norm prologue takes no fp8 convolution or fused shortcut")
     check_residual_scale(residual, residual_scale)
     n, h, w, cin = x.shape
     cout = p.cout
@@ -670,7 +686,7 @@ def _conv2d(x, p, residual, relu, precision, tune, pdl, shortcut, stats=None, bn
     sc_h, sc_w, sc_cin = shortcut.shape[1:] if shortcut is not None else (0, 0, 0)
     kind = "none" if stats is None else "moments" if bn is None else "grad_sums"
     args = (x, p.weight, p.bias, second, y, m, h, w, cin, oh, ow, cout, sc_h, sc_w, sc_cin,
-            p.scale if p.fp8 else norm if norm is not None else p.bias,  # bias: the unused scale pointer
+            p.scale if p.fp8 else norm if norm is not None else p.bias,  # the scale pointer (bias: unused)
             p.input_inv, p.output_inv or 1.0,
             residual_scale or 1.0, *_split_buffers(x.device), *(stats or (p.bias, p.bias)),
             *(bn or (y, y, p.bias, p.bias)), p.kh, p.kw,

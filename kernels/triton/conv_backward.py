@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.conv import BatchNormSaved, TileStats, conv2d, conv2d_stats, pack_weights
+from kernels.triton.conv import BatchNormSaved, TileStats, check_norm, conv2d, conv2d_stats, norm_relu, pack_weights
 from kernels.triton.split import row_slices
 from kernels.triton.tuning import autotune, launch
 
@@ -73,7 +73,7 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, norm_ptr, P, H, W, CIN, OH,
     that a convolution over a few channels (the stem's 3) reads dy once per tile of its KH*KW*CIN rows instead of
     once per tap (TAPS is then 1). TILE_ROWS: the rows of dW one program-axis-2 index owns (CIN, or KH*KW*CIN).
     NORM: x is a batch norm's input, taken through its affine map and ReLU on the load as the forward's norm
-    prologue takes it (norm_ptr: scale, then shift, fp32 [2, CIN]; kernels/triton/conv.py _window_gemm)."""
+    prologue takes it (norm_ptr: scale, then shift, fp32 [2, CIN]; kernels/triton/conv.py norm_relu)."""
     tap = tl.program_id(2) % TAPS
     start = tl.program_id(2) // TAPS * ROWS
     end = tl.minimum(start + ROWS, P)
@@ -92,20 +92,17 @@ def conv2d_weight_grad_kernel(x_ptr, dy_ptr, dw_ptr, norm_ptr, P, H, W, CIN, OH,
         if TAPS_IN_TILE:  # each row its own tap: the input pixel per (row, output pixel)
             ih = (pixel // OW)[None, :] * STRIDE + r[:, None] - PAD
             iw = (pixel % OW)[None, :] * STRIDE + s[:, None] - PAD
-            inside = p_ok[None, :] & c_ok[:, None] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            xt = tl.load(x_ptr + ((n[None, :] * H + ih) * W + iw) * CIN + c[:, None], mask=inside, other=0.0)
+            x_mask = p_ok[None, :] & c_ok[:, None] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            xt = tl.load(x_ptr + ((n[None, :] * H + ih) * W + iw) * CIN + c[:, None], mask=x_mask, other=0.0)
         else:  # one tap for the tile: the input pixel this tap of the output pixel's window reads
             ih = (pixel // OW) * STRIDE + r - PAD
             iw = (pixel % OW) * STRIDE + s - PAD
             inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             rows = ((n * H + ih) * W + iw) * CIN
-            xt = tl.load(x_ptr + rows[None, :] + c[:, None], mask=inside[None, :] & c_ok[:, None], other=0.0)
-        if NORM:  # the activation the forward never stored, recomputed; the padding stays zero
-            norm_scale = tl.load(norm_ptr + c, mask=c_ok, other=0.0)
-            norm_shift = tl.load(norm_ptr + CIN + c, mask=c_ok, other=0.0)
-            loaded = inside & c_ok[:, None] if TAPS_IN_TILE else inside[None, :] & c_ok[:, None]
-            xt = tl.where(loaded, tl.maximum(xt.to(tl.float32) * norm_scale[:, None] + norm_shift[:, None], 0.0),
-                          0.0).to(x_ptr.dtype.element_ty)
+            x_mask = inside[None, :] & c_ok[:, None]
+            xt = tl.load(x_ptr + rows[None, :] + c[:, None], mask=x_mask, other=0.0)
+        if NORM:  # the activation the forward never stored, recomputed
+            xt = norm_relu(xt, x_mask, norm_ptr, c, c_ok, CIN, 0)
         dyt = tl.load(dy_ptr + offs_p[:, None] * COUT + offs_k[None, :], mask=p_ok[:, None] & k_ok[None, :],
                       other=0.0)
         acc += tl.dot(xt, dyt, input_precision=PRECISION)
@@ -149,8 +146,7 @@ def conv2d_weight_grad(x: torch.Tensor, dy: torch.Tensor, kh: int, kw: int, stri
     def grid(meta):
         return triton.cdiv(tile_rows, meta["BLOCK_C"]), triton.cdiv(cout, meta["BLOCK_K"]), slices * tap_programs
 
-    if norm is not None and (norm.shape != (2, cin) or norm.dtype != torch.float32):
-        raise ValueError("a norm prologue takes its batch norm's scale and shift as fp32 [2, CIN]")
+    check_norm(norm, cin)
     args = (x, dy, dw, dw if norm is None else norm, n * oh * ow, h, w, cin, oh, ow, cout, stride, pad, rows,
             tap_programs, tile_rows, kw, taps_in_tile, precision, norm is not None)  # dw: the unused norm pointer
     launch(conv2d_weight_grad_kernel, grid, args, tune, dict(BLOCK_C=_tile(tile_rows), BLOCK_K=_tile(cout),
